@@ -1,0 +1,318 @@
+"""The PostgreSQL backend: one session per replica holds its locks and writes its ledger rows.
+
+Why one session: advisory locks belong to the session that took them, and the
+claim must take the lock in the same transaction that inserts the tick's row
+(see postgres.sql). One session per replica, whatever the number of jobs or
+of running jobs, and one round trip per batch of claims or of finishes.
+
+How a frozen or cut-off replica loses its locks without any server
+configuration: the session sets its own ``idle_session_timeout`` to
+``holder_timeout``, and the gate sends a heartbeat when the session has been
+quiet for a third of that. A replica that stops talking (SIGSTOP, a long
+pause, a dead network) has its session ended by the server, and its locks
+with it. On the client side, TCP keepalives and ``tcp_user_timeout`` bound how
+long a call can hang on a dead server.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection, Engine, create_engine, func, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+from scheduler.backends.base import (
+    ClaimRequest,
+    ClaimResult,
+    FinishRequest,
+    FinishResult,
+    Outcome,
+    SessionLost,
+    Unavailable,
+)
+from scheduler.backends.schema import migrate
+
+log = logging.getLogger("scheduler.postgres")
+
+PRESENCE_KEY = 0  # every live replica holds (lock_namespace, 0) in share mode
+
+_CLAIM = text(
+    "SELECT * FROM scheduler_claim(:ns, :instance, CAST(:keys AS integer[]),"
+    " CAST(:names AS text[]), CAST(:ticks AS timestamptz[]), CAST(:intents AS text[]),"
+    " CAST(:graces AS double precision[]), CAST(:thresholds AS integer[]))"
+)
+_FINISH = text(
+    "SELECT * FROM scheduler_finish(:ns, CAST(:keys AS integer[]),"
+    " CAST(:ticks AS timestamptz[]), CAST(:run_ids AS bigint[]), CAST(:statuses AS text[]),"
+    " CAST(:errors AS text[]), CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]))"
+)
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Accept the usual postgresql:// spellings; drive them with psycopg 3."""
+    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    raise ValueError("not a postgresql:// URL")
+
+
+def redact(url: str) -> str:
+    """The URL with its password hidden, for logs and messages."""
+    try:
+        return (
+            make_url(sqlalchemy_url(url))
+            .render_as_string(hide_password=True)
+            .replace("postgresql+psycopg://", "postgresql://")
+        )
+    except Exception:
+        return "postgresql://…"
+
+
+def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:
+    """libpq options: the instance name for pg_stat_activity, and dead-peer detection."""
+    query = make_url(sqlalchemy_url(url)).query
+    wanted: dict[str, Any] = {
+        "application_name": instance,
+        "connect_timeout": max(2, math.ceil(holder_timeout / 3)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, math.ceil(holder_timeout / 3)),
+        "keepalives_interval": max(1, math.ceil(holder_timeout / 9)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(holder_timeout * 1000),
+    }
+    return {k: v for k, v in wanted.items() if k not in query}
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    original = getattr(exc, "orig", exc)
+    if isinstance(original, psycopg.OperationalError):
+        return True
+    return isinstance(exc, OperationalError)
+
+
+class PostgresBackend:
+    """A replica's lock session on PostgreSQL."""
+
+    name = "postgresql"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        instance: str,
+        namespace: int,
+        holder_timeout: float,
+    ) -> None:
+        self.url = url
+        self.instance = instance
+        self.namespace = namespace
+        self.holder_timeout = holder_timeout
+        self.engine: Engine = create_engine(
+            sqlalchemy_url(url),
+            poolclass=NullPool,
+            connect_args=connect_args(instance, holder_timeout, url),
+        )
+        # The second session: housekeeping and nothing else (never holds a lock).
+        self.ledger_engine: Engine = create_engine(
+            sqlalchemy_url(url),
+            pool_size=1,
+            max_overflow=1,
+            pool_recycle=600,
+            connect_args=connect_args(instance, holder_timeout, url),
+        )
+        self._conn: Connection | None = None
+
+    # -- the session ---------------------------------------------------------------
+
+    def connect(self) -> None:
+        self.close()
+        try:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        except SQLAlchemyError as exc:
+            raise Unavailable(_reason(exc)) from None
+        try:
+            driver = conn.connection.driver_connection
+            assert isinstance(driver, psycopg.Connection)
+            driver.execute(
+                "SELECT set_config('idle_session_timeout', %s, false),"
+                " set_config('statement_timeout', %s, false),"
+                " set_config('TimeZone', 'UTC', false),"
+                " pg_advisory_lock_shared(%s, %s)",
+                (
+                    f"{int(self.holder_timeout * 1000)}ms",
+                    f"{int(self.holder_timeout * 500)}ms",
+                    self.namespace,
+                    PRESENCE_KEY,
+                ),
+            )
+        except Exception as exc:
+            conn.invalidate()
+            conn.close()
+            raise Unavailable(_reason(exc)) from None
+        self._conn = conn
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.invalidate()  # never return a session with locks to any pool
+                conn.close()
+            except Exception:
+                log.debug("closing the lock session failed", exc_info=True)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    def migrate(self) -> int:
+        with self.ledger_engine.connect() as conn:
+            return migrate(conn, self.namespace)
+
+    @contextmanager
+    def _session(self) -> Iterator[Connection]:
+        if self._conn is None:
+            raise SessionLost("not connected")
+        try:
+            yield self._conn
+        except SQLAlchemyError as exc:
+            if is_connection_error(exc):
+                self.close()
+                raise SessionLost(_reason(exc)) from None
+            raise
+
+    def fileno(self) -> int | None:
+        if self._conn is None:
+            return None
+        driver = self._conn.connection.driver_connection
+        return driver.fileno() if isinstance(driver, psycopg.Connection) else None
+
+    def check_alive(self) -> None:
+        """The socket is readable while we wait for nothing: the server said goodbye."""
+        if self._conn is None:
+            raise SessionLost("not connected")
+        driver = self._conn.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        pgconn = driver.pgconn
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError as exc:
+            self.close()
+            raise SessionLost(str(exc).strip() or "the server closed the session") from None
+        if pgconn.status != psycopg.pq.ConnStatus.OK:
+            self.close()
+            raise SessionLost("the server closed the session")
+        while (notice := pgconn.notifies()) is not None:
+            log.debug("ignoring notification %r", notice)
+
+    # -- the gate's two steps ----------------------------------------------------
+
+    def claim(self, requests: Sequence[ClaimRequest], instance: str) -> list[ClaimResult]:
+        params = {
+            "ns": self.namespace,
+            "instance": instance,
+            "keys": [r.key for r in requests],
+            "names": [r.name for r in requests],
+            "ticks": [r.scheduled_at for r in requests],
+            "intents": [str(r.intent) for r in requests],
+            "graces": [r.grace_s for r in requests],
+            "thresholds": [r.skip_threshold for r in requests],
+        }
+        with self._session() as conn:
+            rows = conn.execute(_CLAIM, params).all()
+        return [
+            ClaimResult(
+                key=row.job_key,
+                scheduled_at=row.scheduled_at,
+                outcome=Outcome(row.outcome),
+                run_id=row.run_id,
+                started_at=row.started_at,
+                holder=row.holder,
+                holder_since=row.holder_since,
+                consecutive_skips=row.consecutive_skips,
+                alert=row.alert,
+                recovered=row.recovered,
+                crashed=row.crashed,
+            )
+            for row in rows
+        ]
+
+    def release(self, keys: Sequence[int]) -> None:
+        """Release locks a failed claim may have taken (they outlive a rollback)."""
+        with self._session() as conn:
+            conn.execute(
+                text("SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k"),
+                {"ns": self.namespace, "keys": list(keys)},
+            )
+
+    def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
+        params = {
+            "ns": self.namespace,
+            "keys": [r.key for r in requests],
+            "ticks": [r.scheduled_at for r in requests],
+            "run_ids": [r.run_id for r in requests],
+            "statuses": [r.status for r in requests],
+            "errors": [r.error for r in requests],
+            "unlocks": [r.unlock for r in requests],
+            "thresholds": [r.fail_threshold for r in requests],
+        }
+        with self._session() as conn:
+            rows = conn.execute(_FINISH, params).all()
+        return [
+            FinishResult(
+                key=row.job_key,
+                scheduled_at=row.scheduled_at,
+                recorded=row.recorded,
+                finished_at=row.finished_at,
+                consecutive_failures=row.consecutive_failures,
+                alert=row.alert,
+                recovered=row.recovered,
+            )
+            for row in rows
+        ]
+
+    def heartbeat(self) -> datetime:
+        with self._session() as conn:
+            now = conn.execute(text("SELECT now()")).scalar_one()
+        assert isinstance(now, datetime)
+        return now
+
+    # -- housekeeping, on the ledger session -------------------------------------
+
+    def now_expression(self) -> Any:
+        return func.now()
+
+    def now(self, conn: Connection) -> datetime:
+        value = conn.execute(select(func.now())).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+
+    def free_locks(self, conn: Connection, keys: Sequence[int]) -> set[int]:
+        """Which of these job locks no session of this database holds right now."""
+        rows = conn.execute(
+            text(
+                "SELECT k FROM unnest(CAST(:keys AS integer[])) AS k WHERE NOT EXISTS ("
+                " SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted"
+                " AND l.database = (SELECT oid FROM pg_database"
+                "                   WHERE datname = current_database())"
+                " AND l.classid = CAST(CAST(:ns AS bigint) AS oid)"
+                " AND l.objid = CAST(k AS oid) AND l.objsubid = 2)"
+            ),
+            {"keys": list(keys), "ns": self.namespace & 0xFFFFFFFF},
+        )
+        return {row[0] for row in rows}
+
+
+def _reason(exc: BaseException) -> str:
+    original = getattr(exc, "orig", None) or exc
+    message = str(original).strip().splitlines()[0] if str(original).strip() else ""
+    return message or type(original).__name__

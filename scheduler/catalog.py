@@ -1,0 +1,134 @@
+"""The catalog: every registered job joined with its schedule from config.yaml.
+
+What `scheduler jobs` prints and what the daemon loads into APScheduler. A
+leaf like its inputs: no database code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from apscheduler.triggers.base import BaseTrigger
+
+from scheduler.config import Config, JobConfig
+from scheduler.errors import ConfigError
+from scheduler.registry import JobSpec, Registry, discover
+from scheduler.schedules import (
+    cron_trigger,
+    format_duration,
+    interval_trigger,
+    next_tick,
+    zone,
+)
+
+
+@dataclass(frozen=True)
+class CatalogJob:
+    spec: JobSpec
+    schedule: JobConfig | None
+    trigger: BaseTrigger | None
+    timezone: str
+    skip_threshold: int
+    fail_threshold: int
+    misfire_grace: timedelta
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def key(self) -> int:
+        return self.spec.key
+
+    @property
+    def enabled(self) -> bool:
+        return self.schedule is not None and self.schedule.enabled
+
+    @property
+    def scheduled(self) -> bool:
+        """Fires on its own: scheduled in config.yaml and enabled."""
+        return self.enabled and self.trigger is not None
+
+    @property
+    def ping_url(self) -> str | None:
+        return self.schedule.ping_url if self.schedule else None
+
+    def describe(self) -> str:
+        if self.schedule is None:
+            return "unscheduled"
+        if self.schedule.interval is not None:
+            text = f"every {format_duration(self.schedule.interval)}"
+        else:
+            text = f"cron {self.schedule.cron}"
+        return text if self.schedule.enabled else f"{text} (disabled)"
+
+    def next_tick(self, now: datetime) -> datetime | None:
+        if not self.scheduled or self.trigger is None:
+            return None
+        return next_tick(self.trigger, now)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    jobs: tuple[CatalogJob, ...]
+
+    def __iter__(self) -> Iterator[CatalogJob]:
+        return iter(self.jobs)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def by_name(self, name: str) -> CatalogJob | None:
+        return next((job for job in self.jobs if job.name == name), None)
+
+    def by_key(self, key: int) -> CatalogJob | None:
+        return next((job for job in self.jobs if job.key == key), None)
+
+    @property
+    def scheduled(self) -> tuple[CatalogJob, ...]:
+        return tuple(job for job in self.jobs if job.scheduled)
+
+
+def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:
+    tz = zone(timezone)
+    if schedule.interval is not None:
+        start = schedule.start
+        if start is not None and start.tzinfo is None:
+            start = start.replace(tzinfo=tz)
+        return interval_trigger(schedule.interval, start.astimezone(UTC) if start else None)
+    assert schedule.cron is not None
+    return cron_trigger(schedule.cron, tz)
+
+
+def build_catalog(config: Config, registry: Registry) -> Catalog:
+    """Join jobs and schedules; a schedule for a job that does not exist is an error."""
+    settings = config.settings
+    missing = sorted(set(config.jobs) - set(registry.jobs))
+    if missing:
+        known = ", ".join(sorted(registry.jobs)) or "none"
+        raise ConfigError(
+            f"{config.path}: jobs.{missing[0]}: no job named {missing[0]!r} in "
+            f"{settings.resolved_jobs_path}/ (jobs found: {known})"
+        )
+    jobs = []
+    for spec in sorted(registry.jobs.values(), key=lambda s: s.name):
+        schedule = config.jobs.get(spec.name)
+        tz = settings.job_timezone(schedule) if schedule else settings.timezone
+        jobs.append(
+            CatalogJob(
+                spec=spec,
+                schedule=schedule,
+                trigger=build_trigger(schedule, tz) if schedule else None,
+                timezone=tz,
+                skip_threshold=settings.skip_threshold(schedule),
+                fail_threshold=settings.fail_threshold(schedule),
+                misfire_grace=settings.grace(schedule),
+            )
+        )
+    return Catalog(tuple(jobs))
+
+
+def load_catalog(config: Config) -> Catalog:
+    return build_catalog(config, discover(config.settings.resolved_jobs_path))

@@ -1,0 +1,161 @@
+"""Deployment checks against PostgreSQL: what `scheduler check` reports and `run` insists on.
+
+Each check returns a line for the report; `fatal` ones make `check` exit 2.
+The pooler check matters most: advisory locks belong to a server session,
+and a pooler in transaction or statement mode hands each transaction to
+whichever server session is free, so a lock would be taken on one session
+and "released" on another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import psycopg
+
+from scheduler.backends.postgres import connect_args, redact
+from scheduler.errors import PoolerError
+
+MIN_SERVER_VERSION = 140000  # idle_session_timeout arrived in PostgreSQL 14
+
+POOLER_MESSAGE = (
+    "the database connection does not keep one server session across transactions: "
+    "a pooler such as PgBouncer in transaction or statement mode sits between this "
+    "replica and PostgreSQL. Advisory locks need a session: set PgBouncer's "
+    "pool_mode = session for this database, or connect to PostgreSQL directly."
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True
+
+
+def _conninfo(url: str, instance: str) -> dict[str, object]:
+    args = connect_args(instance, 30.0, url)
+    args["connect_timeout"] = 5
+    return args
+
+
+def _plain_url(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def session_is_kept(url: str, instance: str) -> bool:
+    """Does a session lock survive from one transaction to the next?
+
+    Two client connections take turns; in session mode each keeps its own
+    server backend (its pid never changes, and never equals the other's). A
+    transaction-mode pooler hands the same few backends to both.
+    """
+    args = _conninfo(url, instance)
+    with (
+        psycopg.connect(_plain_url(url), autocommit=True, **args) as first,  # type: ignore[arg-type]
+        psycopg.connect(_plain_url(url), autocommit=True, **args) as second,  # type: ignore[arg-type]
+    ):
+        pids_first, pids_second = set(), set()
+        for _ in range(3):
+            pids_first.add(_pid(first))
+            pids_second.add(_pid(second))
+        return len(pids_first) == 1 and len(pids_second) == 1 and not pids_first & pids_second
+
+
+def _pid(conn: psycopg.Connection) -> int:  # type: ignore[type-arg]
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def require_session_pooling(url: str, instance: str) -> None:
+    """`scheduler run` refuses to start behind a transaction-mode pooler."""
+    if not session_is_kept(url, instance):
+        raise PoolerError(f"{redact(url)}: {POOLER_MESSAGE}")
+
+
+def database_checks(url: str, instance: str) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        conn = psycopg.connect(_plain_url(url), autocommit=True, **_conninfo(url, instance))  # type: ignore[arg-type]
+    except psycopg.Error as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return [Check("connect", False, f"{redact(url)}: {message}")]
+    with conn:
+        checks.append(Check("connect", True, redact(url)))
+        version = conn.info.server_version
+        checks.append(
+            Check(
+                "server version",
+                version >= MIN_SERVER_VERSION,
+                f"PostgreSQL {version // 10000}.{version % 10000}"
+                + ("" if version >= MIN_SERVER_VERSION else " (14 or newer is required)"),
+            )
+        )
+        row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        standby = bool(row and row[0])
+        checks.append(
+            Check(
+                "primary",
+                not standby,
+                "connected to a standby: locks and writes need the primary"
+                if standby
+                else "connected to the primary",
+            )
+        )
+        checks.append(_privileges(conn))
+        row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        offset = (datetime.now(UTC) - row[0]).total_seconds()
+        checks.append(
+            Check(
+                "clock",
+                abs(offset) < 1.0,
+                f"this host's clock is {offset:+.3f} s from the database's"
+                + ("" if abs(offset) < 1.0 else " (ticks are claimed by each replica's clock)"),
+                fatal=False,
+            )
+        )
+    try:
+        kept = session_is_kept(url, instance)
+    except psycopg.Error as exc:
+        checks.append(Check("session pooling", False, str(exc).strip().splitlines()[0]))
+    else:
+        checks.append(
+            Check(
+                "session pooling",
+                kept,
+                "each connection keeps its own server session" if kept else POOLER_MESSAGE,
+            )
+        )
+    return checks
+
+
+def _privileges(conn: psycopg.Connection) -> Check:  # type: ignore[type-arg]
+    row = conn.execute(
+        "SELECT to_regclass('scheduler_ticks') IS NOT NULL,"
+        " has_schema_privilege(current_schema(), 'CREATE'), current_schema(), current_user"
+    ).fetchone()
+    assert row is not None
+    exists, can_create, schema, user = row
+    if exists:
+        row = conn.execute(
+            "SELECT has_table_privilege('scheduler_ticks', 'SELECT, INSERT, UPDATE, DELETE')"
+            " AND has_table_privilege('scheduler_jobs', 'SELECT, INSERT, UPDATE')"
+        ).fetchone()
+        ok = bool(row and row[0])
+        detail = (
+            f"{user} can use the ledger tables in schema {schema}"
+            if ok
+            else f"{user} lacks SELECT/INSERT/UPDATE/DELETE on the ledger tables in {schema}"
+        )
+        return Check("privileges", ok, detail)
+    return Check(
+        "privileges",
+        bool(can_create),
+        f"{user} can create the ledger tables in schema {schema}"
+        if can_create
+        else f"{user} cannot create tables in schema {schema} (GRANT CREATE ON SCHEMA {schema})",
+    )

@@ -1,0 +1,151 @@
+"""The command line: `scheduler run | check | jobs | status | history | trigger`.
+
+Configuration and usage errors exit 2 with one clear message and no
+traceback; no command ever prints a password or a webhook secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from scheduler.catalog import Catalog, load_catalog
+from scheduler.config import Config, load_config
+from scheduler.errors import ConfigError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="path of config.yaml (default ./config.yaml)")
+    common.add_argument("--jobs", help="folder of job modules (default: jobs/ beside the config)")
+    parser = argparse.ArgumentParser(
+        prog="scheduler",
+        description="A fleet scheduler: every tick of every job runs on exactly one replica.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", parents=[common], help="run the daemon")
+    run.add_argument("--http-port", type=int, help="serve /healthz, /readyz, /metrics")
+    commands.add_parser(
+        "check", parents=[common], help="validate config, jobs and keys (and the database)"
+    )
+    jobs = commands.add_parser("jobs", parents=[common], help="list every job and its next tick")
+    jobs.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    flags: dict[str, Any] = {"jobs_path": args.jobs}
+    if args.command == "run":
+        flags["http_port"] = args.http_port
+    config = load_config(args.config, **flags)
+    catalog = load_catalog(config)
+    if args.command == "run":
+        return _run(config, catalog)
+    if args.command == "check":
+        return _check(config, catalog)
+    if args.command == "jobs":
+        return _jobs(catalog, as_json=args.json)
+    raise ConfigError(f"unknown command {args.command!r}")  # pragma: no cover
+
+
+def _run(config: Config, catalog: Catalog) -> int:
+    from scheduler.daemon import Daemon
+    from scheduler.logs import setup_logging
+
+    settings = config.settings
+    setup_logging(settings.log_format)
+    if settings.database_url is None:
+        from scheduler.backends import embedded_path
+
+        logging.getLogger("scheduler").warning(
+            "no database configured: embedded mode (SQLite ledger %s and file locks). "
+            "It coordinates the processes of this host only; point the fleet at PostgreSQL "
+            "with SCHEDULER_DATABASE_URL=postgresql://...",
+            embedded_path(settings),
+        )
+    else:
+        from scheduler.checks import require_session_pooling
+
+        try:
+            require_session_pooling(
+                settings.database_url.get_secret_value(), settings.instance_name
+            )
+        except ConfigError:
+            raise
+        except Exception as exc:  # unreachable now: the daemon waits for it
+            logging.getLogger("scheduler").warning("cannot check the pooling mode yet: %s", exc)
+    return Daemon(config, catalog).run()
+
+
+def _check(config: Config, catalog: Catalog) -> int:
+    settings = config.settings
+    counts = f"{len(catalog)} job(s), {len(catalog.scheduled)} scheduled"
+    print(f"{'config':<16} {'ok':<4} {config.path}: {counts}")
+    for job in catalog:
+        print(f"{'job':<16} {'ok':<4} {job.name} (key {job.key}): {job.describe()}")
+    if settings.database_url is None:
+        from scheduler.backends import embedded_path
+
+        print(
+            f"{'database':<16} {'--':<4} embedded mode: {embedded_path(settings)} (this host only)"
+        )
+        return EXIT_OK
+    from scheduler.checks import database_checks
+
+    fatal = False
+    for check in database_checks(settings.database_url.get_secret_value(), settings.instance_name):
+        mark = "ok" if check.ok else ("FAIL" if check.fatal else "warn")
+        print(f"{check.name:<16} {mark:<4} {check.detail}")
+        fatal |= check.fatal and not check.ok
+    return EXIT_USAGE if fatal else EXIT_OK
+
+
+def _jobs(catalog: Catalog, *, as_json: bool) -> int:
+    now = datetime.now(UTC)
+    rows = [
+        {
+            "name": job.name,
+            "key": job.key,
+            "schedule": job.describe(),
+            "timezone": job.timezone,
+            "enabled": job.enabled,
+            "next_tick": _iso(job.next_tick(now)),
+            "source": job.spec.source,
+        }
+        for job in catalog
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    _table(rows, ["name", "key", "schedule", "timezone", "next_tick", "source"])
+    return EXIT_OK
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())

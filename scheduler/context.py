@@ -1,0 +1,31 @@
+"""RunContext: what a job function receives about the tick it is running."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The identity of one run, and the signals it must watch.
+
+    ``run_id`` grows with every run of the fleet: pass it to the systems the
+    job writes to, so they can refuse a write from a run that is older than
+    one they have already seen (a stale run whose replica froze and lost its
+    lock). ``lock_lost`` is set the moment this replica can no longer prove it
+    holds the job's lock; ``stopping`` when the daemon shuts down.
+    """
+
+    job_name: str
+    key: int
+    scheduled_at: datetime
+    instance: str
+    run_id: int
+    lock_lost: threading.Event = field(default_factory=threading.Event)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    log: logging.LoggerAdapter = field(  # type: ignore[type-arg]
+        default_factory=lambda: logging.LoggerAdapter(logging.getLogger("scheduler.job"))
+    )

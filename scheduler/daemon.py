@@ -1,0 +1,197 @@
+"""The daemon: APScheduler fires ticks, the gate decides where each one runs.
+
+APScheduler 3 computes the ticks (its executor receives the scheduled run
+times); our executor hands them to the gate instead of running them, so no
+tick ever runs without passing the gate. Signals: the first SIGTERM/SIGINT
+stops new runs, waits up to `shutdown_grace` and releases every lock; a
+second one exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any
+
+from apscheduler.executors.base import BaseExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from scheduler import events
+from scheduler.backends import Backend, open_backend
+from scheduler.backends.base import Unavailable
+from scheduler.catalog import Catalog, CatalogJob
+from scheduler.config import Config
+from scheduler.gate import Backoff, Gate
+from scheduler.housekeeping import Housekeeping
+from scheduler.logs import RunLog
+from scheduler.schedules import ticks_between
+
+log = logging.getLogger("scheduler.daemon")
+
+
+class GateExecutor(BaseExecutor):  # type: ignore[misc]
+    """Hands every fired tick to the gate; APScheduler's instance limits do not apply.
+
+    Overlap is the gate's business (fleet-wide, through the lock), and every
+    tick must reach it, or a skipped tick would go unrecorded.
+    """
+
+    def __init__(self, gate: Gate, jobs: dict[str, CatalogJob]) -> None:
+        super().__init__()
+        self.gate = gate
+        self.jobs = jobs
+
+    def submit_job(self, job: Any, run_times: list[datetime]) -> None:
+        catalog_job = self.jobs[job.id]
+        for run_time in run_times:
+            self.gate.submit(catalog_job, run_time.astimezone(UTC))
+
+    def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _noop() -> None:
+    """APScheduler needs a callable; the gate runs the real job."""
+
+
+def build_scheduler(catalog: Catalog, gate: Gate) -> BackgroundScheduler:
+    scheduler = BackgroundScheduler(timezone=UTC)
+    jobs = {job.name: job for job in catalog.scheduled}
+    scheduler.add_executor(GateExecutor(gate, jobs), "default")
+    for job in jobs.values():
+        scheduler.add_job(
+            _noop,
+            trigger=job.trigger,
+            id=job.name,
+            name=job.name,
+            coalesce=True,
+            misfire_grace_time=None,  # the gate decides, by the database clock
+            max_instances=1,
+        )
+    return scheduler
+
+
+def catch_up(catalog: Catalog, gate: Gate, now: datetime) -> None:
+    """`catch_up: latest`: the most recent past tick, if within grace, goes to the gate.
+
+    If a replica already ran it, the claim is simply lost.
+    """
+    for job in catalog.scheduled:
+        if job.schedule is None or job.schedule.catch_up != "latest" or job.trigger is None:
+            continue
+        latest = ticks_between(job.trigger, now - job.misfire_grace, now, limit=1)
+        if latest:
+            gate.submit(job, latest[-1])
+
+
+class Daemon:
+    """One replica: backend, gate, scheduler, optional HTTP; signals end it."""
+
+    def __init__(
+        self,
+        config: Config,
+        catalog: Catalog,
+        *,
+        backend: Backend | None = None,
+        listeners: Sequence[events.Listener] = (),
+    ) -> None:
+        self.config = config
+        self.settings = config.settings
+        self.catalog = catalog
+        self.backend = backend or open_backend(self.settings)
+        self.stop_requested = threading.Event()
+        self.signals = 0
+        self.listeners: list[events.Listener] = [RunLog(), *listeners]
+        self.gate = Gate(
+            self.backend,
+            instance=self.settings.instance_name,
+            max_workers=self.settings.max_workers,
+            holder_timeout=self.settings.holder_timeout,
+            listeners=self.listeners,
+        )
+        self.housekeeping = Housekeeping(self.backend, catalog, self.settings)
+        self.scheduler = build_scheduler(catalog, self.gate)
+        self.loop_alive = False
+
+    def prepare(self) -> bool:
+        """Create or migrate the schema; waits for the database rather than exiting."""
+        backoff = Backoff(first=0.5, cap=5.0)
+        while not self.stop_requested.is_set():
+            try:
+                found = self.backend.migrate()
+                self.housekeeping.track_jobs()
+            except Unavailable as exc:
+                log.warning("database unreachable (%s); retrying", exc)
+            except Exception as exc:
+                if not _is_unreachable(exc):
+                    raise
+                log.warning("database unreachable (%s); retrying", _first_line(exc))
+            else:
+                if found == 0:
+                    log.info("created the ledger schema")
+                return True
+            self.stop_requested.wait(backoff.next_delay() + 0.5)
+        return False
+
+    def run(self) -> int:
+        self._install_signals()
+        log.info(
+            "replica %s starting: %d job(s), %d scheduled, backend %s",
+            self.settings.instance_name,
+            len(self.catalog),
+            len(self.catalog.scheduled),
+            self.backend.name,
+        )
+        if not self.prepare():
+            return 0
+        self.gate.start()
+        self.housekeeping.start(self.gate)
+        self.scheduler.start()
+        self.loop_alive = True
+        catch_up(self.catalog, self.gate, datetime.now(UTC))
+        self.stop_requested.wait()
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        log.info(
+            "stopping: no new runs; waiting up to %g s for %s",
+            self.settings.shutdown_grace,
+            ", ".join(self.gate.running_jobs()) or "no running job",
+        )
+        self.scheduler.shutdown(wait=False)
+        self.loop_alive = False
+        self.housekeeping.stop()
+        abandoned = self.gate.stop(self.settings.shutdown_grace)
+        if abandoned:
+            log.error("gave up waiting for %s; recorded crashed", ", ".join(abandoned))
+            os._exit(0)  # their threads cannot be stopped; the locks are already released
+        log.info("stopped cleanly; every lock released")
+        return 0
+
+    def _install_signals(self) -> None:
+        handler: Callable[[int, FrameType | None], None] = self._on_signal
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.signals += 1
+        if self.signals > 1:
+            os.write(2, b"second signal: exiting at once\n")
+            os._exit(128 + signum)
+        self.stop_requested.set()
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    from sqlalchemy.exc import OperationalError
+
+    return isinstance(exc, OperationalError | OSError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

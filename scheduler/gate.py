@@ -1,0 +1,624 @@
+"""The gate: every tick of every job passes here, and runs on exactly one replica.
+
+The whole story, in order:
+
+1. APScheduler fires tick T of job J on every replica. T is the scheduled
+   time, computed identically everywhere (see `scheduler.schedules`); it is
+   the tick's identity, never "now".
+2. `submit` queues the tick. The dispatcher thread, which alone talks to the
+   backend, takes every queued tick at once and asks the backend to claim
+   the batch in one round trip (`Backend.claim`).
+3. The claim is an INSERT of the row (J.key, T) into the ledger. Its primary
+   key lets exactly one replica win; the others are told `lost` and are done.
+   This is what makes a tick run once when clocks are skewed or a job
+   finishes in a millisecond: a lock alone is free again by the time a slow
+   replica's trigger fires.
+4. The winner tries J's advisory lock (lock_namespace, J.key) in the same
+   transaction. Got it: the run starts, and any other `running` row of J is
+   stale (its replica died, which freed the lock) and is marked `crashed`.
+   Not got: the previous run still holds it, and T is recorded `skipped`,
+   once for the fleet, growing J's fleet-wide skip streak.
+5. A replica never takes a lock it already holds: advisory locks stack within
+   a session, so a tick of a job this replica is still running is claimed
+   with intent `skip` and never reaches the lock.
+6. When the run ends, `Backend.finish` updates its row only if it is still
+   `running` with this run_id, then releases the lock: a stale run never
+   overwrites the record of what replaced it.
+7. The lock session is watched: the server ends it if this replica goes
+   quiet for `holder_timeout` (frozen, cut off), so its locks pass to
+   others. Here, the moment we can no longer prove we hold our locks (the
+   session failed, or no round trip has succeeded for `holder_timeout`),
+   every local run's `ctx.lock_lost` is set, the session is dropped and a new
+   one is opened with backoff. No backend error ever ends the daemon.
+
+Time is passed in (`clock`, `monotonic`) so this logic can be driven in tests
+without sleeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from scheduler import events
+from scheduler.backends.base import (
+    Backend,
+    ClaimRequest,
+    ClaimResult,
+    FinishRequest,
+    FinishResult,
+    Intent,
+    Outcome,
+    SessionLost,
+    Unavailable,
+)
+from scheduler.catalog import CatalogJob
+from scheduler.context import RunContext
+from scheduler.runner import execute
+
+log = logging.getLogger("scheduler.gate")
+
+Clock = Callable[[], datetime]
+Monotonic = Callable[[], float]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class Run:
+    """A run executing on this replica."""
+
+    job: CatalogJob
+    ctx: RunContext
+    generation: int  # the session that took the lock; the lock is gone with it
+    started: float  # monotonic
+    done: threading.Event = field(default_factory=threading.Event)
+    status: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Finish:
+    run: Run
+    status: str
+    error: str | None
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class ManualResult:
+    outcome: Outcome
+    status: str | None = None
+    error: str | None = None
+    run_id: int | None = None
+    holder: str | None = None
+
+
+class Backoff:
+    """Reconnect delays: at once, then doubling up to a cap."""
+
+    def __init__(self, first: float = 0.1, cap: float = 5.0) -> None:
+        self.first, self.cap, self.attempts = first, cap, 0
+
+    def next_delay(self) -> float:
+        delay = 0.0 if self.attempts == 0 else min(self.cap, self.first * 2 ** (self.attempts - 1))
+        self.attempts += 1
+        return delay
+
+    def reset(self) -> None:
+        self.attempts = 0
+
+
+class Gate:
+    """Decides, for each tick this replica sees, whether it runs here; and runs it."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        instance: str,
+        max_workers: int,
+        holder_timeout: float,
+        listeners: Sequence[events.Listener] = (),
+        clock: Clock = utc_now,
+        monotonic: Monotonic = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.instance = instance
+        self.max_workers = max_workers
+        self.holder_timeout = holder_timeout
+        self.heartbeat_every = holder_timeout / 3
+        self.listeners = list(listeners)
+        self.clock = clock
+        self.monotonic = monotonic
+
+        self._mutex = threading.Lock()
+        self._pending: dict[int, tuple[CatalogJob, datetime]] = {}  # newest tick per job
+        self._manual: list[tuple[CatalogJob, datetime, threading.Event, list[ManualResult]]] = []
+        self._finished: list[Finish] = []
+        self._runs: dict[int, Run] = {}  # job key -> run executing here
+        self._manual_runs: dict[int, tuple[threading.Event, list[ManualResult]]] = {}
+        self._accepting = True
+        self._stopped = threading.Event()
+
+        self._generation = 0  # bumped whenever the lock session is lost
+        self._connected = False
+        self._last_proof = monotonic()  # send time of the last round trip that succeeded
+        self._backoff = Backoff()
+        self._retry_at = 0.0  # next reconnect attempt
+        self._paused_until = 0.0  # after a backend error other than a lost session
+
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="run")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+
+    # -- the outside world -----------------------------------------------------------
+
+    def submit(self, job: CatalogJob, scheduled_at: datetime) -> None:
+        """Queue a tick fired by APScheduler (any thread).
+
+        Only the newest tick of a job waits here: an older one that is still
+        queued was not claimed in time by this replica and is left to the
+        others (or recorded `missed` by the sweep).
+        """
+        with self._mutex:
+            if not self._accepting:
+                return
+            queued = self._pending.get(job.key)
+            if queued is not None and queued[1] >= scheduled_at:
+                return
+            self._pending[job.key] = (job, scheduled_at)
+        self._wake()
+
+    def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
+        """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
+        done = threading.Event()
+        result: list[ManualResult] = []
+        now = self.clock()
+        tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
+        with self._mutex:
+            self._manual.append((job, tick, done, result))
+        self._wake()
+        done.wait(timeout)
+        return result[0] if result else ManualResult(Outcome.LOST, error="timed out")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="gate", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="gate-watchdog", daemon=True)
+        self._thread.start()
+        self._watchdog.start()
+
+    def running_jobs(self) -> list[str]:
+        with self._mutex:
+            return [run.job.name for run in self._runs.values()]
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def stop(self, grace: float) -> list[str]:
+        """Start nothing new, tell runs to stop, wait up to `grace`, release every lock.
+
+        Returns the jobs still running when the grace ran out; they are
+        recorded `crashed` and their locks released.
+        """
+        with self._mutex:
+            self._accepting = False
+            self._pending.clear()
+            runs = list(self._runs.values())
+        for run in runs:
+            run.ctx.stopping.set()
+        deadline = self.monotonic() + grace
+        for run in runs:
+            run.done.wait(max(0.0, deadline - self.monotonic()))
+        self._flush_finishes(deadline)
+        with self._mutex:
+            abandoned = [run for run in self._runs.values() if not run.done.is_set()]
+        for run in abandoned:
+            self._finished_run(run, "crashed", f"still running after shutdown_grace ({grace:g} s)")
+        self._flush_finishes(self.monotonic() + max(5.0, self.heartbeat_every))
+        self._stopped.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.backend.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return [run.job.name for run in abandoned]
+
+    def _flush_finishes(self, deadline: float) -> None:
+        while self.monotonic() < deadline:
+            with self._mutex:
+                if not self._finished and not any(run.done.is_set() for run in self._runs.values()):
+                    return
+            self._wake()
+            time.sleep(0.02)
+
+    # -- the dispatcher thread -------------------------------------------------------
+
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        watched: int | None = None
+        while not self._stopped.is_set():
+            fd = self.backend.fileno() if self._connected else None
+            if fd != watched:
+                if watched is not None:
+                    selector.unregister(watched)
+                if fd is not None:
+                    selector.register(fd, selectors.EVENT_READ)
+                watched = fd
+            try:
+                for key, _ in selector.select(self._wait_time()):
+                    if key.fd == self._wake_r:
+                        self._drain_wake()
+                    elif key.fd == watched:
+                        self._guard(self.backend.check_alive)
+                self.step()
+            except Exception:
+                log.exception("gate loop error (continuing)")
+                time.sleep(0.5)
+        selector.close()
+
+    def _wait_time(self) -> float:
+        now = self.monotonic()
+        if not self._connected:
+            return max(0.0, self._retry_at - now)
+        heartbeat = max(0.0, self._last_proof + self.heartbeat_every - now)
+        if now < self._paused_until:
+            return min(heartbeat, self._paused_until - now)
+        with self._mutex:
+            if self._finished or self._manual or (self._pending and self._free_slots() > 0):
+                return 0.0
+        return heartbeat
+
+    def step(self) -> None:
+        """One pass: connect if needed, record finished runs, claim queued ticks, heartbeat."""
+        if not self._connected and not self._reconnect():
+            return
+        if self.monotonic() - self._last_proof > self.holder_timeout:
+            self._lose_session("no round trip succeeded within holder_timeout")
+            return
+        if self.monotonic() >= self._paused_until:
+            self._guard(self._record_finishes)
+            self._guard(self._claim_manual)
+            self._guard(self._claim_pending)
+        if self._connected and self.monotonic() - self._last_proof >= self.heartbeat_every:
+            self._guard(self._heartbeat)
+
+    def _guard(self, action: Callable[[], None]) -> None:
+        """A failed session loses every lock; any other backend error is logged and retried."""
+        if not self._connected:
+            return
+        try:
+            action()
+        except SessionLost as exc:
+            self._lose_session(str(exc))
+
+    def _round_trip(self, call: Callable[[], object]) -> object:
+        sent = self.monotonic()
+        result = call()
+        self._last_proof = max(self._last_proof, sent)
+        return result
+
+    # -- claims ----------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        return self.max_workers - len(self._runs)
+
+    def _claim_pending(self) -> None:
+        with self._mutex:
+            slots = self._free_slots()
+            batch: list[tuple[CatalogJob, datetime, Intent]] = []
+            for key, (job, tick) in list(self._pending.items()):
+                if key in self._runs:
+                    batch.append((job, tick, Intent.SKIP))
+                elif slots > 0:
+                    batch.append((job, tick, Intent.RUN))
+                    slots -= 1
+                else:
+                    continue  # waits for a free worker; another replica may take it
+                del self._pending[key]
+        if not batch:
+            return
+        requests = [
+            ClaimRequest(
+                key=job.key,
+                name=job.name,
+                scheduled_at=tick,
+                intent=intent,
+                grace_s=job.misfire_grace.total_seconds(),
+                skip_threshold=job.skip_threshold,
+            )
+            for job, tick, intent in batch
+        ]
+        try:
+            results = self._claim(requests)
+        except SessionLost:
+            self._requeue(batch)
+            raise
+        except Exception:
+            log.exception("claiming %d ticks failed; retrying", len(requests))
+            self._requeue(batch)
+            return
+        jobs = {job.key: job for job, _, _ in batch}
+        for result in results:
+            self._claimed(jobs[result.key], result, manual=None)
+
+    def _claim(self, requests: list[ClaimRequest]) -> list[ClaimResult]:
+        """One round trip; a failed claim may leave locks it took (they outlive rollbacks)."""
+        try:
+            results = self._round_trip(lambda: self.backend.claim(requests, self.instance))
+        except SessionLost:
+            raise
+        except Exception:
+            keys = [r.key for r in requests if r.intent in (Intent.RUN, Intent.MANUAL)]
+            if keys:
+                try:
+                    self._round_trip(lambda: self.backend.release(keys))
+                except Exception as exc:
+                    raise SessionLost(f"cannot release locks after a failed claim: {exc}") from exc
+            self._paused_until = self.monotonic() + 1.0
+            raise
+        assert isinstance(results, list)
+        return results
+
+    def _requeue(self, batch: list[tuple[CatalogJob, datetime, Intent]]) -> None:
+        with self._mutex:
+            for job, tick, _ in batch:
+                queued = self._pending.get(job.key)
+                if queued is None or queued[1] < tick:
+                    self._pending[job.key] = (job, tick)
+
+    def _claim_manual(self) -> None:
+        with self._mutex:
+            manual, self._manual = self._manual, []
+        for job, tick, done, out in manual:
+            if job.key in self._runs:
+                out.append(ManualResult(Outcome.HELD, holder=self.instance))
+                done.set()
+                continue
+            request = ClaimRequest(
+                key=job.key,
+                name=job.name,
+                scheduled_at=tick,
+                intent=Intent.MANUAL,
+                grace_s=job.misfire_grace.total_seconds(),
+                skip_threshold=job.skip_threshold,
+            )
+            try:
+                (result,) = self._claim([request])
+            except SessionLost:
+                with self._mutex:
+                    self._manual.append((job, tick, done, out))
+                raise
+            except Exception as exc:
+                out.append(ManualResult(Outcome.LOST, error=str(exc)))
+                done.set()
+                continue
+            if result.outcome is Outcome.RUN:
+                self._manual_runs[job.key] = (done, out)
+            else:
+                out.append(ManualResult(result.outcome, holder=result.holder))
+                done.set()
+            self._claimed(job, result, manual=done)
+
+    def _claimed(self, job: CatalogJob, result: ClaimResult, manual: object) -> None:
+        if result.outcome is Outcome.RUN:
+            self._start_run(job, result, manual=manual is not None)
+        elif result.outcome is Outcome.SKIPPED:
+            self._emit(
+                events.TickSkipped(
+                    job=job.name,
+                    key=job.key,
+                    scheduled_at=result.scheduled_at,
+                    instance=self.instance,
+                    holder=result.holder,
+                    holder_since=result.holder_since,
+                    consecutive_skips=result.consecutive_skips or 0,
+                    threshold=job.skip_threshold,
+                    alert=result.alert,
+                )
+            )
+        elif result.outcome is Outcome.MISSED:
+            self._emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))
+
+    def _start_run(self, job: CatalogJob, result: ClaimResult, manual: bool) -> None:
+        assert result.run_id is not None
+        ctx = RunContext(
+            job_name=job.name,
+            key=job.key,
+            scheduled_at=result.scheduled_at,
+            instance=self.instance,
+            run_id=result.run_id,
+            log=logging.LoggerAdapter(
+                logging.getLogger(f"scheduler.job.{job.name}"),
+                {
+                    "job": job.name,
+                    "key": job.key,
+                    "run_id": result.run_id,
+                    "scheduled_at": result.scheduled_at.isoformat(),
+                },
+            ),
+        )
+        run = Run(job=job, ctx=ctx, generation=self._generation, started=self.monotonic())
+        with self._mutex:
+            self._runs[job.key] = run
+        started_at = result.started_at or self.clock()
+        self._emit(
+            events.RunStarted(
+                job=job.name,
+                key=job.key,
+                scheduled_at=result.scheduled_at,
+                run_id=result.run_id,
+                instance=self.instance,
+                lateness_s=(started_at - result.scheduled_at).total_seconds(),
+                manual=manual,
+                crashed=result.crashed,
+                skips_recovered=result.recovered,
+                ping_url=job.ping_url,
+            )
+        )
+        self._pool.submit(self._execute, run)
+
+    def _execute(self, run: Run) -> None:
+        status, error = execute(run.job.spec, run.ctx)
+        self._finished_run(run, status, error)
+
+    def _finished_run(self, run: Run, status: str, error: str | None) -> None:
+        with self._mutex:
+            if run.status is not None:
+                return  # already recorded (abandoned at shutdown)
+            run.status, run.error = status, error
+            self._finished.append(Finish(run, status, error, self.monotonic() - run.started))
+        run.done.set()
+        self._wake()
+
+    # -- finishes --------------------------------------------------------------------
+
+    def _record_finishes(self) -> None:
+        with self._mutex:
+            batch, self._finished = self._finished, []
+        if not batch:
+            return
+        requests = [
+            FinishRequest(
+                key=f.run.job.key,
+                scheduled_at=f.run.ctx.scheduled_at,
+                run_id=f.run.ctx.run_id,
+                status=f.status,
+                error=f.error,
+                unlock=f.run.generation == self._generation,
+                fail_threshold=f.run.job.fail_threshold,
+            )
+            for f in batch
+        ]
+        try:
+            results = self._round_trip(lambda: self.backend.finish(requests))
+        except SessionLost:
+            with self._mutex:
+                self._finished[:0] = batch
+            raise
+        except Exception:
+            log.exception("recording %d finished runs failed; retrying", len(batch))
+            with self._mutex:
+                self._finished[:0] = batch
+            self._paused_until = self.monotonic() + 1.0
+            return
+        assert isinstance(results, list)
+        by_key: dict[tuple[int, datetime], FinishResult] = {
+            (r.key, r.scheduled_at): r for r in results
+        }
+        for f in batch:
+            outcome = by_key.get((f.run.job.key, f.run.ctx.scheduled_at))
+            with self._mutex:
+                if self._runs.get(f.run.job.key) is f.run:
+                    del self._runs[f.run.job.key]
+            self._report_finish(f, outcome)
+
+    def _report_finish(self, f: Finish, outcome: FinishResult | None) -> None:
+        run = f.run
+        self._emit(
+            events.RunFinished(
+                job=run.job.name,
+                key=run.job.key,
+                scheduled_at=run.ctx.scheduled_at,
+                run_id=run.ctx.run_id,
+                instance=self.instance,
+                status=f.status,
+                error=f.error,
+                duration_s=f.duration_s,
+                recorded=bool(outcome and outcome.recorded),
+                lock_lost=run.ctx.lock_lost.is_set(),
+                consecutive_failures=outcome.consecutive_failures if outcome else None,
+                failures_threshold=run.job.fail_threshold,
+                failures_alert=bool(outcome and outcome.alert),
+                failures_recovered=bool(outcome and outcome.recovered),
+                ping_url=run.job.ping_url,
+            )
+        )
+        manual = self._manual_runs.pop(run.job.key, None)
+        if manual is not None:
+            done, out = manual
+            out.append(ManualResult(Outcome.RUN, f.status, f.error, run.ctx.run_id))
+            done.set()
+
+    # -- the session -----------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        self._round_trip(self.backend.heartbeat)
+
+    def _reconnect(self) -> bool:
+        if self.monotonic() < self._retry_at:
+            return False
+        try:
+            self.backend.connect()
+        except Unavailable as exc:
+            self._retry_at = self.monotonic() + self._backoff.next_delay() + 0.1
+            log.warning("database unreachable (%s); retrying", exc)
+            return False
+        self._connected = True
+        self._last_proof = self.monotonic()
+        self._backoff.reset()
+        self._emit(events.SessionUp(self.instance, self.backend.name))
+        return True
+
+    def _lose_session(self, reason: str) -> None:
+        """Every lock of this replica is gone: tell every run, then start over."""
+        with self._mutex:
+            lost = [run for run in self._runs.values() if run.generation == self._generation]
+            self._generation += 1
+            self._connected = False
+        for run in lost:
+            run.ctx.lock_lost.set()
+        self.backend.close()
+        self._retry_at = self.monotonic() + self._backoff.next_delay()
+        self._emit(events.SessionLost(self.instance, reason, tuple(r.job.name for r in lost)))
+
+    def _watch(self) -> None:
+        """Set lock_lost even while the dispatcher is stuck in a call to a dead server."""
+        period = min(1.0, self.holder_timeout / 10)
+        while not self._stopped.wait(period):
+            if not self._connected or self.monotonic() - self._last_proof <= self.holder_timeout:
+                continue
+            with self._mutex:
+                doubtful = [r for r in self._runs.values() if r.generation == self._generation]
+            for run in doubtful:
+                if not run.ctx.lock_lost.is_set():
+                    log.error(
+                        "lock of %s can no longer be proven (no round trip for %.1f s)",
+                        run.job.name,
+                        self.monotonic() - self._last_proof,
+                    )
+                    run.ctx.lock_lost.set()
+            self._wake()
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _emit(self, event: events.Event) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("listener %r failed on %s", listener, type(event).__name__)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: already awake
+            os.write(self._wake_w, b"\0")
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
