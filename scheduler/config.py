@@ -104,7 +104,6 @@ class Settings(BaseSettings):
         env_prefix=ENV_PREFIX,
         extra="forbid",
         validate_default=True,
-        yaml_config_section="scheduler",
     )
 
     database_url: SecretStr | None = None
@@ -215,7 +214,7 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
         )
     overrides = {k: v for k, v in flags.items() if v is not None}
     overrides["config"] = path
-    settings = _settings(path, overrides)
+    settings = _settings(path if document.get("scheduler") else None, overrides)
     jobs_section = document.get("jobs") or {}
     if not isinstance(jobs_section, dict):
         raise ConfigError(f"{path}: jobs: must be a mapping of job name to schedule")
@@ -253,9 +252,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return document
 
 
-def _settings(path: Path, overrides: dict[str, Any]) -> Settings:
+def _settings(section_file: Path | None, overrides: dict[str, Any]) -> Settings:
+    """Settings, with the `scheduler:` section of `section_file` as the YAML source."""
+    path = overrides["config"]
+
     class FromFile(Settings):
-        model_config = SettingsConfigDict(yaml_file=path)
+        model_config = (
+            SettingsConfigDict(yaml_file=section_file, yaml_config_section="scheduler")
+            if section_file
+            else SettingsConfigDict()
+        )
 
     try:
         return FromFile(**overrides)
@@ -278,7 +284,7 @@ def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any
         else:
             where = f"{path}: scheduler.{field}"
         value = _shown_value(field, error.get("input"))
-        message = error["msg"].removeprefix("Value error, ")
+        message = _sentence(error["msg"])
         if error["type"] == "extra_forbidden":
             message = "unknown setting"
         lines.append(f"{where}: {message}{value}")
@@ -295,13 +301,18 @@ def _job(path: Path, name: str, body: Any) -> JobConfig:
         lines = []
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])
-            message = error["msg"].removeprefix("Value error, ")
+            message = _sentence(error["msg"])
             if error["type"] == "extra_forbidden":
                 message = "unknown field"
             location = f"{where}.{field}" if field else where
             lines.append(f"{location}: {message}{_shown_value(field, error.get('input'))}")
         raise ConfigError("\n".join(lines)) from None
     return job
+
+
+def _sentence(message: str) -> str:
+    message = message.removeprefix("Value error, ")
+    return message[:1].lower() + message[1:]
 
 
 _SECRET_FIELDS = {"database_url", "alert_webhook_url", "ping_url"}

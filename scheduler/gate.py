@@ -244,7 +244,7 @@ class Gate:
                 if not self._finished and not any(run.done.is_set() for run in self._runs.values()):
                     return
             self._wake()
-            time.sleep(0.02)
+            self._stopped.wait(0.02)
 
     # -- the dispatcher thread -------------------------------------------------------
 
@@ -269,7 +269,7 @@ class Gate:
                 self.step()
             except Exception:
                 log.exception("gate loop error (continuing)")
-                time.sleep(0.5)
+                self._stopped.wait(0.5)
         selector.close()
 
     def _wait_time(self) -> float:

@@ -30,6 +30,7 @@ from sqlalchemy import (
     delete,
     desc,
     select,
+    text,
     tuple_,
     update,
 )
@@ -93,8 +94,8 @@ ticks = Table(
     Index(
         "scheduler_ticks_running",
         "job_key",
-        postgresql_where="status = 'running'",
-        sqlite_where="status = 'running'",
+        postgresql_where=text("status = 'running'"),
+        sqlite_where=text("status = 'running'"),
     ),
 )
 

@@ -7,6 +7,7 @@ not job modules) and collects the decorated functions.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import re
@@ -166,7 +167,8 @@ def discover(jobs_path: Path) -> Registry:
 
 def _import(path: Path, root: Path) -> Any:
     relative = path.relative_to(root).with_suffix("")
-    module_name = "scheduler_jobs." + ".".join(relative.parts)
+    folder = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
+    module_name = f"scheduler_jobs_{folder}." + ".".join(relative.parts)
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)

@@ -118,7 +118,7 @@ def cron_trigger(expr: str, tz: tzinfo) -> BaseTrigger:
     """
     fields = expr.split()
     if len(fields) not in (5, 6):
-        raise ValueError(f"expected 5 fields (or 6 with seconds first), got {len(fields)}")
+        raise ValueError(f"expected 5 fields (or 6 with seconds first), found {len(fields)}")
     second = fields.pop(0) if len(fields) == 6 else "0"
     minute, hour, day, month, weekday = fields
     weekday = _cron_days(weekday)

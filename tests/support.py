@@ -1,0 +1,294 @@
+"""Helpers shared by the tests: URLs, and a fleet of real `scheduler run` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import yaml
+
+SERVER_URL_ENV = "SCHEDULER_TEST_DATABASE_URL"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def faketime_library() -> str:
+    """Debian's libfaketime (package faketime), for replicas with skewed clocks."""
+    found = sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))
+    if not found:
+        raise AssertionError("libfaketime is required: apt-get install faketime")
+    return str(found[0])
+
+
+def with_database(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1
+) -> Any:
+    """Poll until `condition()` is truthy; generous timeouts, never tight timings."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+# The jobs every fleet test loads: each run appends one JSON line of evidence,
+# written by the job itself, independent of the ledger under test.
+EVIDENCE_JOBS = '''
+import json, os, threading, time
+from scheduler import job, RunContext
+
+EVIDENCE = os.environ["SCHEDULER_TEST_EVIDENCE"]
+
+
+def record(ctx, **extra):
+    line = json.dumps({"job": ctx.job_name, "tick": ctx.scheduled_at.isoformat(),
+                       "instance": ctx.instance, "run_id": ctx.run_id, "pid": os.getpid(),
+                       **extra})
+    with open(EVIDENCE, "a") as f:
+        f.write(line + "\\n")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _enter(marker):
+    """Create the job's marker atomically; True if a live run of the job already holds it."""
+    for _ in range(5):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(marker) as f:
+                    other = int(f.read() or 0)
+            except (FileNotFoundError, ValueError):
+                other = 0
+            if other and _alive(other):
+                return True
+            try:
+                os.unlink(marker)  # left by a killed replica
+            except FileNotFoundError:
+                pass
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return False
+    return True
+
+
+def exclusive(ctx, seconds, until_stopping=True):
+    """Run for `seconds`, recording whether another live run of the job was going meanwhile."""
+    marker = os.path.join(os.path.dirname(EVIDENCE), ctx.job_name + ".running")
+    overlap = _enter(marker)
+    record(ctx, event="start", overlap=overlap)
+    deadline = time.monotonic() + seconds
+    lost_at = None
+    while time.monotonic() < deadline:
+        if until_stopping and ctx.stopping.is_set():
+            break
+        if ctx.lock_lost.is_set() and lost_at is None:
+            lost_at = time.time()
+        # Event.wait, not time.sleep: libfaketime breaks clock_nanosleep.
+        threading.Event().wait(min(0.05, max(0.0, deadline - time.monotonic())))
+    if not overlap:
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            pass
+    record(ctx, event="end", lock_lost=ctx.lock_lost.is_set(), lock_lost_at=lost_at)
+'''
+
+
+@dataclass
+class Replica:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+
+@dataclass
+class Fleet:
+    """A folder with config.yaml and jobs/, and the replicas started from it."""
+
+    root: Path
+    database_url: str | None
+    jobs: dict[str, dict[str, Any]]
+    settings: dict[str, Any] = field(default_factory=dict)
+    job_code: str = ""
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+        (self.root / "jobs" / "test_jobs.py").write_text(
+            EVIDENCE_JOBS + textwrap.dedent(self.job_code)
+        )
+        document = {"scheduler": self.settings, "jobs": self.jobs}
+        (self.root / "config.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
+        self.evidence_path.touch()
+
+    @property
+    def evidence_path(self) -> Path:
+        return self.root / "evidence.jsonl"
+
+    def env(self, name: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
+        env.update(
+            SCHEDULER_CONFIG=str(self.root / "config.yaml"),
+            SCHEDULER_INSTANCE_NAME=name,
+            SCHEDULER_TEST_EVIDENCE=str(self.evidence_path),
+            PYTHONUNBUFFERED="1",
+        )
+        if self.database_url:
+            env["SCHEDULER_DATABASE_URL"] = self.database_url
+        env.update(extra or {})
+        return env
+
+    def start(
+        self,
+        name: str,
+        *,
+        clock_offset: str | None = None,
+        env: dict[str, str] | None = None,
+        args: Iterable[str] = (),
+    ) -> Replica:
+        command = [sys.executable, "-m", "scheduler", "run", *args]
+        extra = dict(env or {})
+        if clock_offset is not None:
+            # libfaketime preloaded into the replica itself (the `faketime` wrapper
+            # forks, and would swallow the signals the tests send).
+            # Only the wall clock is skewed, as between hosts; timers stay real.
+            extra.update(
+                LD_PRELOAD=faketime_library(),
+                FAKETIME=clock_offset,
+                FAKETIME_DONT_FAKE_MONOTONIC="1",
+            )
+        log_path = self.root / f"{name}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                command, cwd=self.root, env=self.env(name, extra), stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        replica = Replica(name, process, log_path)
+        self.replicas[name] = replica
+        return replica
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Every replica has its lock session up (it logs so)."""
+        for replica in self.replicas.values():
+            wait_for(
+                lambda r=replica: "lock session up" in r.log() or r.process.poll() is not None,
+                timeout,
+                f"{replica.name} to start",
+            )
+            assert replica.process.poll() is None, f"{replica.name} exited:\n{replica.log()}"
+
+    def stop(self, timeout: float = 60) -> dict[str, int]:
+        for replica in self.replicas.values():
+            replica.signal(signal.SIGTERM)
+        codes = {}
+        for replica in self.replicas.values():
+            try:
+                codes[replica.name] = replica.wait(timeout)
+            except subprocess.TimeoutExpired:
+                replica.signal(signal.SIGKILL)
+                codes[replica.name] = replica.wait(10)
+        return codes
+
+    def kill_all(self) -> None:
+        for replica in self.replicas.values():
+            replica.signal(signal.SIGCONT)
+            replica.signal(signal.SIGKILL)
+            try:
+                replica.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {r.name} ---\n{r.log()[-6000:]}" for r in self.replicas.values())
+
+    def evidence(self) -> list[dict[str, Any]]:
+        lines = self.evidence_path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def ledger(self, job: str | None = None) -> list[dict[str, Any]]:
+        assert self.database_url
+        with psycopg.connect(self.database_url) as conn:
+            conn.execute("SET TimeZone = 'UTC'")
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            query = "SELECT * FROM scheduler_ticks"
+            params: tuple[Any, ...] = ()
+            if job:
+                query += " WHERE job_name = %s"
+                params = (job,)
+            return list(cur.execute(query + " ORDER BY scheduled_at, job_key", params))
+
+
+def parse_tick(text: str) -> datetime:
+    return datetime.fromisoformat(text).astimezone(UTC)
+
+
+def whole_seconds(start: datetime, end: datetime) -> list[datetime]:
+    """Every whole-second tick in [start, end]."""
+    first = start.replace(microsecond=0) + (timedelta(seconds=1) if start.microsecond else timedelta())
+    ticks = []
+    tick = first
+    while tick <= end:
+        ticks.append(tick)
+        tick += timedelta(seconds=1)
+    return ticks
+
+
+def runs_per_tick(evidence: list[dict[str, Any]], job: str) -> Counter[datetime]:
+    """How many times each tick of `job` started, from the jobs' own evidence."""
+    return Counter(
+        parse_tick(e["tick"])
+        for e in evidence
+        if e["job"] == job and e.get("event", "start") == "start"
+    )
+
+
+def assert_exactly_once(
+    evidence: list[dict[str, Any]], job: str, window: list[datetime], logs: str = ""
+) -> None:
+    counts = runs_per_tick(evidence, job)
+    twice = {t.isoformat(): n for t, n in counts.items() if n > 1}
+    missing = [t.isoformat() for t in window if counts[t] == 0]
+    assert not twice, f"{job}: ticks run more than once: {twice}\n{logs}"
+    assert not missing, f"{job}: ticks never run inside the window: {missing}\n{logs}"

@@ -1,0 +1,197 @@
+"""The claim/lock protocol, step by step, on both backends (see scheduler/gate.py).
+
+Two backends opened in one process stand for two replicas: on PostgreSQL
+they are two sessions; in embedded mode two sets of flock descriptors.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
+from scheduler.backends.embedded import EmbeddedBackend
+from scheduler.backends.postgres import PostgresBackend
+
+NAMESPACE = 4242
+KEY = 77
+
+
+@pytest.fixture(params=["postgresql", "embedded"])
+def replicas(request, tmp_path):
+    opened = []
+
+    def make(instance: str):
+        if request.param == "postgresql":
+            url = request.getfixturevalue("database_url")
+            backend = PostgresBackend(url, instance=instance, namespace=NAMESPACE,
+                                      holder_timeout=30)
+        else:
+            backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance,
+                                      namespace=NAMESPACE)
+        backend.migrate()
+        backend.connect()
+        opened.append(backend)
+        return backend
+
+    yield make
+    for backend in opened:
+        backend.close()
+
+
+def tick(seconds_ago: float = 0.0) -> datetime:
+    now = datetime.now(UTC).replace(microsecond=0)
+    return now - timedelta(seconds=seconds_ago)
+
+
+def claim(backend, at: datetime, intent: Intent = Intent.RUN, threshold: int = 3,
+          grace: float = 30.0, key: int = KEY):
+    request = ClaimRequest(key=key, name="job", scheduled_at=at, intent=intent,
+                           grace_s=grace, skip_threshold=threshold)
+    (result,) = backend.claim([request], backend.instance)
+    return result
+
+
+def finish(backend, result, status="succeeded", unlock=True, threshold=3, error=None):
+    request = FinishRequest(key=result.key, scheduled_at=result.scheduled_at,
+                            run_id=result.run_id, status=status, error=error, unlock=unlock,
+                            fail_threshold=threshold)
+    (outcome,) = backend.finish([request])
+    return outcome
+
+
+def rows(backend) -> dict[datetime, dict]:
+    from sqlalchemy import select
+
+    from scheduler import ledger
+
+    with backend.ledger_engine.connect() as conn:
+        found = conn.execute(select(ledger.ticks).where(ledger.ticks.c.job_key == KEY))
+        return {r.scheduled_at: dict(r._mapping) for r in found}
+
+
+def test_exactly_one_replica_wins_a_tick(replicas):
+    a, b = replicas("a"), replicas("b")
+    t = tick()
+    first, second = claim(a, t), claim(b, t)
+    assert first.outcome is Outcome.RUN and first.run_id is not None
+    assert second.outcome is Outcome.LOST
+    # The winner finishes in a millisecond and releases the lock; a replica whose
+    # trigger fires late still cannot run the tick again.
+    finish(a, first)
+    assert claim(b, t).outcome is Outcome.LOST
+    assert rows(a)[t]["status"] == "succeeded"
+
+
+def test_a_tick_that_finds_the_previous_run_going_is_skipped_once_for_the_fleet(replicas):
+    a, b = replicas("a"), replicas("b")
+    t0 = tick(10)
+    running = claim(a, t0)
+    assert running.outcome is Outcome.RUN
+
+    skipped = claim(b, t0 + timedelta(seconds=1))
+    assert skipped.outcome is Outcome.SKIPPED
+    assert (skipped.holder, skipped.consecutive_skips, skipped.alert) == ("a", 1, False)
+    assert claim(a, t0 + timedelta(seconds=1)).outcome is Outcome.LOST  # recorded once
+
+    # The replica running the job never asks its own session for the lock again
+    # (advisory locks stack): it claims with intent `skip`.
+    own = claim(a, t0 + timedelta(seconds=2), intent=Intent.SKIP)
+    assert (own.outcome, own.holder, own.consecutive_skips) == (Outcome.SKIPPED, "a", 2)
+
+    third = claim(b, t0 + timedelta(seconds=3))
+    assert (third.consecutive_skips, third.alert) == (3, True)  # exactly one alert
+    fourth = claim(b, t0 + timedelta(seconds=4))
+    assert (fourth.consecutive_skips, fourth.alert) == (4, False)
+
+    finish(a, running)
+    resumed = claim(b, t0 + timedelta(seconds=5))
+    assert resumed.outcome is Outcome.RUN and resumed.recovered  # one recovery notice
+    finish(b, resumed)
+    again = claim(a, t0 + timedelta(seconds=6))
+    assert again.outcome is Outcome.RUN and not again.recovered
+    statuses = [r["status"] for _, r in sorted(rows(a).items())]
+    assert statuses == ["succeeded", "skipped", "skipped", "skipped", "skipped", "succeeded",
+                        "running"]
+
+
+def test_a_dead_replicas_run_is_marked_crashed_and_its_late_finish_changes_nothing(replicas):
+    a, b = replicas("a"), replicas("b")
+    t0 = tick(5)
+    stale = claim(a, t0)
+    a.close()  # the replica dies: its session, and the lock with it, are gone
+
+    taken = claim(b, t0 + timedelta(seconds=1))
+    assert taken.outcome is Outcome.RUN
+    assert taken.crashed == 1
+    assert rows(b)[t0]["status"] == "crashed"
+    assert taken.run_id > stale.run_id  # the fencing token grows across the fleet
+
+    a.connect()  # the stale replica comes back and reports its run finished
+    late = finish(a, stale, status="succeeded", unlock=False)
+    assert not late.recorded
+    after = rows(b)
+    assert after[t0]["status"] == "crashed"
+    assert after[t0 + timedelta(seconds=1)]["status"] == "running"
+    assert finish(b, taken).recorded
+
+
+def test_a_tick_past_its_grace_is_recorded_missed_not_run(replicas):
+    a, b = replicas("a"), replicas("b")
+    old = tick(120)
+    assert claim(a, old, grace=30).outcome is Outcome.MISSED
+    assert claim(b, old, grace=30).outcome is Outcome.LOST
+    assert rows(a)[old]["status"] == "missed"
+
+
+def test_a_manual_run_needs_the_lock(replicas):
+    a, b = replicas("a"), replicas("b")
+    running = claim(a, tick(3))
+    held = claim(b, tick(), intent=Intent.MANUAL)
+    assert (held.outcome, held.holder) == (Outcome.HELD, "a")
+    finish(a, running)
+    manual = claim(b, tick(), intent=Intent.MANUAL)
+    assert manual.outcome is Outcome.RUN
+    assert rows(b)[manual.scheduled_at]["manual"]
+
+
+def test_consecutive_failures_alert_once_and_recover(replicas):
+    a = replicas("a")
+    base = tick(20)
+    outcomes = []
+    for i in range(4):
+        run = claim(a, base + timedelta(seconds=i))
+        outcomes.append(finish(a, run, status="failed", error="boom"))
+    assert [o.consecutive_failures for o in outcomes] == [1, 2, 3, 4]
+    assert [o.alert for o in outcomes] == [False, False, True, False]
+    ok = finish(a, claim(a, base + timedelta(seconds=5)))
+    assert ok.recovered and ok.consecutive_failures == 0
+    ok_again = finish(a, claim(a, base + timedelta(seconds=6)))
+    assert not ok_again.recovered
+
+
+def test_run_ids_strictly_grow(replicas):
+    a, b = replicas("a"), replicas("b")
+    base = tick(10)
+    ids = []
+    for i in range(6):
+        backend = (a, b)[i % 2]
+        run = claim(backend, base + timedelta(seconds=i))
+        ids.append(run.run_id)
+        finish(backend, run)
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+def test_one_batch_claims_many_jobs_in_one_call(replicas):
+    a, b = replicas("a"), replicas("b")
+    t = tick()
+    requests = [
+        ClaimRequest(key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30,
+                     skip_threshold=3)
+        for k in range(100, 150)
+    ]
+    won_a = a.claim(requests, "a")
+    won_b = b.claim(requests, "b")
+    assert [r.outcome for r in won_a] == [Outcome.RUN] * 50
+    assert [r.outcome for r in won_b] == [Outcome.LOST] * 50
