@@ -24,7 +24,9 @@ from pathlib import Path
 
 import psycopg
 
-SERVER = os.environ.get("SCHEDULER_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+SERVER = os.environ.get(
+    "SCHEDULER_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 
 
 def database(name: str) -> str:
@@ -53,18 +55,32 @@ def main() -> int:
     code = ["import threading", "from scheduler import job", ""]
     lines = ["jobs:"]
     for i in range(args.jobs):
-        code += [f"@job(key={10_000 + i})", f"def job_{i}(ctx):",
-                 f"    threading.Event().wait({args.job_seconds})", ""]
+        code += [
+            f"@job(key={10_000 + i})",
+            f"def job_{i}(ctx):",
+            f"    threading.Event().wait({args.job_seconds})",
+            "",
+        ]
         lines.append(f"  job_{i}: {{interval: 1s}}")
     (root / "jobs" / "bench_jobs.py").write_text("\n".join(code))
     (root / "config.yaml").write_text("\n".join(lines) + "\n")
 
     replicas = []
     for r in range(args.replicas):
-        env = dict(os.environ, SCHEDULER_DATABASE_URL=url, SCHEDULER_INSTANCE_NAME=f"bench-{r}",
-                   SCHEDULER_CONFIG=str(root / "config.yaml"))
-        replicas.append(subprocess.Popen([sys.executable, "-m", "scheduler", "run"], env=env,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        env = dict(
+            os.environ,
+            SCHEDULER_DATABASE_URL=url,
+            SCHEDULER_INSTANCE_NAME=f"bench-{r}",
+            SCHEDULER_CONFIG=str(root / "config.yaml"),
+        )
+        replicas.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "scheduler", "run"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     sessions: dict[str, int] = {}
     try:
         time.sleep(3)  # start-up
@@ -85,21 +101,31 @@ def main() -> int:
         codes = [p.wait(60) for p in replicas]
 
     with psycopg.connect(url) as conn:
-        late = [row[0] for row in conn.execute(
-            "SELECT extract(epoch FROM started_at - scheduled_at)::float8 FROM scheduler_ticks"
-            " WHERE status = 'succeeded'")]
-        statuses = dict(conn.execute(
-            "SELECT status, count(*) FROM scheduler_ticks GROUP BY 1").fetchall())
+        late = [
+            row[0]
+            for row in conn.execute(
+                "SELECT extract(epoch FROM started_at - scheduled_at)::float8 FROM scheduler_ticks"
+                " WHERE status = 'succeeded'"
+            )
+        ]
+        statuses = dict(
+            conn.execute("SELECT status, count(*) FROM scheduler_ticks GROUP BY 1").fetchall()
+        )
     with psycopg.connect(SERVER, autocommit=True) as admin:
         admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
     print(f"replicas {args.replicas}, jobs {args.jobs} on 1 s intervals, {args.seconds:g} s")
     print(f"runs: {statuses}")
     if late:
-        print(f"lateness (start - scheduled, database clock): p50 {statistics.median(late)*1000:.1f} ms, "
-              f"p99 {quantile(late, 0.99)*1000:.1f} ms, max {max(late)*1000:.1f} ms")
-    print("sessions per replica (most seen at once): "
-          + ", ".join(f"{k}={v}" for k, v in sorted(sessions.items())))
+        p50, p99 = statistics.median(late) * 1000, quantile(late, 0.99) * 1000
+        print(
+            f"lateness (start - scheduled, database clock): p50 {p50:.1f} ms, "
+            f"p99 {p99:.1f} ms, max {max(late) * 1000:.1f} ms"
+        )
+    print(
+        "sessions per replica (most seen at once): "
+        + ", ".join(f"{k}={v}" for k, v in sorted(sessions.items()))
+    )
     print(f"exit codes: {codes}")
     return 0
 

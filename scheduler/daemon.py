@@ -150,7 +150,7 @@ class Daemon:
         if not self.prepare():
             return 0
         self.gate.start()
-        self.housekeeping.start(self.gate)
+        self.housekeeping.start()
         self.scheduler.start()
         self.loop_alive = True
         catch_up(self.catalog, self.gate, datetime.now(UTC))

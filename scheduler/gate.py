@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import selectors
 import threading
 import time
@@ -264,8 +265,6 @@ class Gate:
                 for key, _ in selector.select(self._wait_time()):
                     if key.fd == self._wake_r:
                         self._drain_wake()
-                    elif key.fd == watched:
-                        self._guard(self.backend.check_alive)
                 self.step()
             except Exception:
                 log.exception("gate loop error (continuing)")
@@ -288,6 +287,10 @@ class Gate:
         """One pass: connect if needed, record finished runs, claim queued ticks, heartbeat."""
         if not self._connected and not self._reconnect():
             return
+        if self._server_said_something():
+            self._guard(self.backend.check_alive)
+        if not self._connected:
+            return
         if self.monotonic() - self._last_proof > self.holder_timeout:
             self._lose_session("no round trip succeeded within holder_timeout")
             return
@@ -297,6 +300,11 @@ class Gate:
             self._guard(self._claim_pending)
         if self._connected and self.monotonic() - self._last_proof >= self.heartbeat_every:
             self._guard(self._heartbeat)
+
+    def _server_said_something(self) -> bool:
+        """Between our calls the server only speaks to end the session (or to notify)."""
+        fd = self.backend.fileno()
+        return fd is not None and bool(select.select([fd], [], [], 0)[0])
 
     def _guard(self, action: Callable[[], None]) -> None:
         """A failed session loses every lock; any other backend error is logged and retried."""

@@ -27,7 +27,6 @@ from scheduler.schedules import ticks_between
 
 if TYPE_CHECKING:
     from scheduler.backends import Backend
-    from scheduler.gate import Gate
 
 log = logging.getLogger("scheduler.housekeeping")
 
@@ -53,7 +52,7 @@ class Housekeeping:
             entries = [(job.key, job.name, job.describe()) for job in self.catalog]
             ledger.track_jobs(conn, entries, now)
 
-    def start(self, gate: Gate) -> None:
+    def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="housekeeping", daemon=True)
         self._thread.start()
 
@@ -73,14 +72,14 @@ class Housekeeping:
         """Do whichever chores this replica wins; returns what was done."""
         done: dict[str, int] = {}
         engine = self.backend.ledger_engine
-        with engine.begin() as conn:
-            sweep = ledger.elect(conn, "sweep", self.backend.now_expression(), SWEEP_EVERY)
+        with engine.begin() as conn:  # one transaction per period from an idle replica
+            now = self.backend.now_expression()
+            sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
+            prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
         if sweep is not None:
             previous, now = sweep
             done["crashed"] = self.sweep_crashed(now)
             done["missed"] = self.sweep_missed(previous, now)
-        with engine.begin() as conn:
-            prune = ledger.elect(conn, "prune", self.backend.now_expression(), PRUNE_EVERY)
         if prune is not None:
             cutoff = prune[1] - timedelta(days=self.settings.retention_days)
             done["pruned"] = 0

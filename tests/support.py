@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,9 +37,7 @@ def with_database(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
-def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1
-) -> Any:
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
     """Poll until `condition()` is truthy; generous timeouts, never tight timings."""
     deadline = time.monotonic() + timeout
     while True:
@@ -202,7 +201,10 @@ class Fleet:
         log_path = self.root / f"{name}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                command, cwd=self.root, env=self.env(name, extra), stdout=log,
+                command,
+                cwd=self.root,
+                env=self.env(name, extra),
+                stdout=log,
                 stderr=subprocess.STDOUT,
             )
         replica = Replica(name, process, log_path)
@@ -235,10 +237,8 @@ class Fleet:
         for replica in self.replicas.values():
             replica.signal(signal.SIGCONT)
             replica.signal(signal.SIGKILL)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 replica.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
 
     def logs(self) -> str:
         return "\n".join(f"--- {r.name} ---\n{r.log()[-6000:]}" for r in self.replicas.values())
@@ -266,7 +266,9 @@ def parse_tick(text: str) -> datetime:
 
 def whole_seconds(start: datetime, end: datetime) -> list[datetime]:
     """Every whole-second tick in [start, end]."""
-    first = start.replace(microsecond=0) + (timedelta(seconds=1) if start.microsecond else timedelta())
+    first = start.replace(microsecond=0) + (
+        timedelta(seconds=1) if start.microsecond else timedelta()
+    )
     ticks = []
     tick = first
     while tick <= end:

@@ -139,8 +139,10 @@ JOB_CASES = {
         ["job key 1001 is used twice", "close_invoices", "other", "billing.py", "other.py"],
     ),
     "duplicate name": (
-        {"other.py": "from scheduler import job\n@job(key=7, name='nightly-report')\n"
-                     "def other(): pass\n"},
+        {
+            "other.py": "from scheduler import job\n@job(key=7, name='nightly-report')\n"
+            "def other(): pass\n"
+        },
         GOOD_JOBS,
         ["job name 'nightly-report' is used twice", "billing.py", "other.py"],
     ),
@@ -195,7 +197,10 @@ def test_a_real_process_prints_no_traceback(tmp_path):
     config = project(tmp_path, "jobs:\n  close_invoices:\n    interval: 5x\n")
     result = subprocess.run(
         [sys.executable, "-m", "scheduler", "run", "--config", str(config)],
-        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -205,7 +210,7 @@ def test_a_real_process_prints_no_traceback(tmp_path):
 def test_a_good_config_checks_clean(tmp_path, capsys, monkeypatch):
     config = project(
         tmp_path,
-        'scheduler:\n  skip_alert_after: 4\njobs:\n  close_invoices:\n    interval: 1h30m\n'
+        "scheduler:\n  skip_alert_after: 4\njobs:\n  close_invoices:\n    interval: 1h30m\n"
         '  nightly-report:\n    cron: "0 2 * * 1-5"\n    timezone: Europe/Berlin\n',
     )
     code, _ = check(config, capsys, monkeypatch)

@@ -11,11 +11,11 @@ from tests.support import Fleet, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
-JOBS = '''
+JOBS = """
 @job(key=21)
 def long_job(ctx: RunContext) -> None:
     exclusive(ctx, 30)
-'''
+"""
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "embedded"])
@@ -28,7 +28,8 @@ def test_sigkill_mid_run_next_tick_runs_elsewhere(tmp_path, request, backend):
         fleet.wait_ready()
         first = wait_for(
             lambda: [e for e in fleet.evidence() if e.get("event") == "start"],
-            30, "the long job to start",
+            30,
+            "the long job to start",
         )[0]
         victim = fleet.replicas[first["instance"]]
         survivor = next(r for r in fleet.replicas.values() if r is not victim)
@@ -37,20 +38,24 @@ def test_sigkill_mid_run_next_tick_runs_elsewhere(tmp_path, request, backend):
 
         taken_over = wait_for(
             lambda: [
-                e for e in fleet.evidence()
+                e
+                for e in fleet.evidence()
                 if e.get("event") == "start" and e["instance"] == survivor.name
             ],
-            20, "the next tick to start on the survivor",
+            20,
+            "the next tick to start on the survivor",
         )[0]
         assert parse_tick(taken_over["tick"]) > parse_tick(first["tick"])
         assert taken_over["run_id"] > first["run_id"]
         assert not taken_over["overlap"]
         rows = wait_for(
             lambda: [
-                r for r in _ledger(fleet, tmp_path)
+                r
+                for r in _ledger(fleet, tmp_path)
                 if r["scheduled_at"] == parse_tick(first["tick"]) and r["status"] == "crashed"
             ],
-            20, "the killed run to be recorded crashed",
+            20,
+            "the killed run to be recorded crashed",
         )
         assert rows[0]["instance"] == victim.name
         codes = fleet.stop()

@@ -17,7 +17,7 @@ from tests.support import Fleet, assert_exactly_once, whole_seconds
 
 pytestmark = pytest.mark.fleet
 
-JOBS = '''
+JOBS = """
 @job(key=11)
 def every_second(ctx: RunContext) -> None:
     exclusive(ctx, 0.001)
@@ -26,7 +26,7 @@ def every_second(ctx: RunContext) -> None:
 @job(key=12)
 def cron_second(ctx: RunContext) -> None:
     exclusive(ctx, 0.001)
-'''
+"""
 SCHEDULES = {"every_second": {"interval": "1s"}, "cron_second": {"cron": "* * * * * *"}}
 WINDOW_S = 12
 

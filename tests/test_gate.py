@@ -34,11 +34,23 @@ class FakeMonotonic:
 
 def make_job(key: int, func, name: str | None = None, skip_alert_after: int = 3) -> CatalogJob:
     schedule = JobConfig(interval="1s", skip_alert_after=skip_alert_after)
-    spec = JobSpec(key=key, name=name or func.__name__, func=func, takes_context=True,
-                   is_async=False, source="test")
-    return CatalogJob(spec=spec, schedule=schedule, trigger=build_trigger(schedule, "UTC"),
-                      timezone="UTC", skip_threshold=skip_alert_after, fail_threshold=3,
-                      misfire_grace=timedelta(seconds=30))
+    spec = JobSpec(
+        key=key,
+        name=name or func.__name__,
+        func=func,
+        takes_context=True,
+        is_async=False,
+        source="test",
+    )
+    return CatalogJob(
+        spec=spec,
+        schedule=schedule,
+        trigger=build_trigger(schedule, "UTC"),
+        timezone="UTC",
+        skip_threshold=skip_alert_after,
+        fail_threshold=3,
+        misfire_grace=timedelta(seconds=30),
+    )
 
 
 class Recorder:
@@ -57,12 +69,19 @@ def gate_factory(database_url):
     made = []
 
     def make(instance: str = "g1", max_workers: int = 4, holder_timeout: float = 30.0):
-        backend = PostgresBackend(database_url, instance=instance, namespace=NAMESPACE,
-                                  holder_timeout=holder_timeout)
+        backend = PostgresBackend(
+            database_url, instance=instance, namespace=NAMESPACE, holder_timeout=holder_timeout
+        )
         backend.migrate()
         recorder, clock = Recorder(), FakeMonotonic()
-        gate = Gate(backend, instance=instance, max_workers=max_workers,
-                    holder_timeout=holder_timeout, listeners=[recorder], monotonic=clock)
+        gate = Gate(
+            backend,
+            instance=instance,
+            max_workers=max_workers,
+            holder_timeout=holder_timeout,
+            listeners=[recorder],
+            monotonic=clock,
+        )
         made.append(gate)
         return gate, recorder, clock
 

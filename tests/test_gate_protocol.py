@@ -25,11 +25,13 @@ def replicas(request, tmp_path):
     def make(instance: str):
         if request.param == "postgresql":
             url = request.getfixturevalue("database_url")
-            backend = PostgresBackend(url, instance=instance, namespace=NAMESPACE,
-                                      holder_timeout=30)
+            backend = PostgresBackend(
+                url, instance=instance, namespace=NAMESPACE, holder_timeout=30
+            )
         else:
-            backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance,
-                                      namespace=NAMESPACE)
+            backend = EmbeddedBackend(
+                tmp_path / "scheduler.db", instance=instance, namespace=NAMESPACE
+            )
         backend.migrate()
         backend.connect()
         opened.append(backend)
@@ -45,18 +47,31 @@ def tick(seconds_ago: float = 0.0) -> datetime:
     return now - timedelta(seconds=seconds_ago)
 
 
-def claim(backend, at: datetime, intent: Intent = Intent.RUN, threshold: int = 3,
-          grace: float = 30.0, key: int = KEY):
-    request = ClaimRequest(key=key, name="job", scheduled_at=at, intent=intent,
-                           grace_s=grace, skip_threshold=threshold)
+def claim(
+    backend,
+    at: datetime,
+    intent: Intent = Intent.RUN,
+    threshold: int = 3,
+    grace: float = 30.0,
+    key: int = KEY,
+):
+    request = ClaimRequest(
+        key=key, name="job", scheduled_at=at, intent=intent, grace_s=grace, skip_threshold=threshold
+    )
     (result,) = backend.claim([request], backend.instance)
     return result
 
 
 def finish(backend, result, status="succeeded", unlock=True, threshold=3, error=None):
-    request = FinishRequest(key=result.key, scheduled_at=result.scheduled_at,
-                            run_id=result.run_id, status=status, error=error, unlock=unlock,
-                            fail_threshold=threshold)
+    request = FinishRequest(
+        key=result.key,
+        scheduled_at=result.scheduled_at,
+        run_id=result.run_id,
+        status=status,
+        error=error,
+        unlock=unlock,
+        fail_threshold=threshold,
+    )
     (outcome,) = backend.finish([request])
     return outcome
 
@@ -112,8 +127,15 @@ def test_a_tick_that_finds_the_previous_run_going_is_skipped_once_for_the_fleet(
     again = claim(a, t0 + timedelta(seconds=6))
     assert again.outcome is Outcome.RUN and not again.recovered
     statuses = [r["status"] for _, r in sorted(rows(a).items())]
-    assert statuses == ["succeeded", "skipped", "skipped", "skipped", "skipped", "succeeded",
-                        "running"]
+    assert statuses == [
+        "succeeded",
+        "skipped",
+        "skipped",
+        "skipped",
+        "skipped",
+        "succeeded",
+        "running",
+    ]
 
 
 def test_a_dead_replicas_run_is_marked_crashed_and_its_late_finish_changes_nothing(replicas):
@@ -187,11 +209,39 @@ def test_one_batch_claims_many_jobs_in_one_call(replicas):
     a, b = replicas("a"), replicas("b")
     t = tick()
     requests = [
-        ClaimRequest(key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30,
-                     skip_threshold=3)
+        ClaimRequest(
+            key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30, skip_threshold=3
+        )
         for k in range(100, 150)
     ]
     won_a = a.claim(requests, "a")
     won_b = b.claim(requests, "b")
     assert [r.outcome for r in won_a] == [Outcome.RUN] * 50
     assert [r.outcome for r in won_b] == [Outcome.LOST] * 50
+
+
+def test_replicas_starting_together_create_the_schema_once(database_url):
+    """N replicas migrating at the same moment: one creates, the others find it done."""
+    import threading
+
+    backends = [
+        PostgresBackend(database_url, instance=f"m{i}", namespace=NAMESPACE, holder_timeout=30)
+        for i in range(6)
+    ]
+    barrier = threading.Barrier(len(backends))
+    found, errors = [], []
+
+    def start(backend):
+        barrier.wait()
+        try:
+            found.append(backend.migrate())
+        except Exception as exc:  # pragma: no cover - the assertion below shows it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert sorted(found) == [0] + [1] * (len(backends) - 1)
