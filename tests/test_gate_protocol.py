@@ -123,6 +123,7 @@ def test_a_tick_that_finds_the_previous_run_going_is_skipped_once_for_the_fleet(
     finish(a, running)
     resumed = claim(b, t0 + timedelta(seconds=5))
     assert resumed.outcome is Outcome.RUN and resumed.recovered  # one recovery notice
+    assert resumed.consecutive_skips == 4  # the streak it ends
     finish(b, resumed)
     again = claim(a, t0 + timedelta(seconds=6))
     assert again.outcome is Outcome.RUN and not again.recovered
@@ -188,7 +189,7 @@ def test_consecutive_failures_alert_once_and_recover(replicas):
     assert [o.consecutive_failures for o in outcomes] == [1, 2, 3, 4]
     assert [o.alert for o in outcomes] == [False, False, True, False]
     ok = finish(a, claim(a, base + timedelta(seconds=5)))
-    assert ok.recovered and ok.consecutive_failures == 0
+    assert ok.recovered and ok.consecutive_failures == 4  # the streak it ends
     ok_again = finish(a, claim(a, base + timedelta(seconds=6)))
     assert not ok_again.recovered
 

@@ -58,6 +58,7 @@ class ClaimResult:
     started_at: datetime | None = None
     holder: str | None = None
     holder_since: datetime | None = None
+    # skipped: the job's fleet-wide streak, this skip included; run: the streak it ends
     consecutive_skips: int | None = None
     alert: bool = False  # this skip made the streak reach its threshold
     recovered: bool = False  # this run ends a streak that had alerted
@@ -81,6 +82,7 @@ class FinishResult:
     scheduled_at: datetime
     recorded: bool  # False: the row was no longer ours (marked crashed elsewhere)
     finished_at: datetime | None = None
+    # failed: the streak, this failure included; succeeded: the streak it ends
     consecutive_failures: int | None = None
     alert: bool = False  # this failure made the failure streak reach its threshold
     recovered: bool = False  # this success ends a failure streak that had alerted

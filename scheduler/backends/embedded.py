@@ -272,7 +272,7 @@ class EmbeddedBackend:
             )
             .values(status="crashed", finished_at=now, error=CRASHED)
         ).rowcount
-        recovered = self._reset(conn, r.key, "consecutive_skips", "skip_alerted")
+        recovered, ended = self._reset(conn, r.key, "consecutive_skips", "skip_alerted")
         row = conn.execute(
             select(t.c.run_id, t.c.started_at).where(
                 t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at
@@ -284,6 +284,7 @@ class EmbeddedBackend:
             Outcome.RUN,
             run_id=row.run_id,
             started_at=row.started_at,
+            consecutive_skips=ended,
             recovered=recovered,
             crashed=crashed,
         )
@@ -352,13 +353,14 @@ class EmbeddedBackend:
         ).returning(j.c[counter])
         return int(conn.execute(statement).scalar_one())
 
-    def _reset(self, conn: Connection, key: int, counter: str, flag: str) -> bool:
+    def _reset(self, conn: Connection, key: int, counter: str, flag: str) -> tuple[bool, int]:
+        """End a streak: (whether it had alerted, how long it was)."""
         j = ledger.jobs
         row = conn.execute(select(j.c[counter], j.c[flag]).where(j.c.job_key == key)).first()
         if row is None or (not row[0] and not row[1]):
-            return False
+            return False, 0
         conn.execute(update(j).where(j.c.job_key == key).values(**{counter: 0, flag: False}))
-        return bool(row[1])
+        return bool(row[1]), int(row[0])
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         assert self._conn is not None, "not connected"
@@ -398,10 +400,9 @@ class EmbeddedBackend:
                     )
                     alert = failures == r.fail_threshold
                 elif recorded and r.status == "succeeded":
-                    recovered = self._reset(
+                    recovered, failures = self._reset(
                         self._conn, r.key, "consecutive_failures", "fail_alerted"
                     )
-                    failures = 0
                 results.append(
                     FinishResult(
                         r.key,

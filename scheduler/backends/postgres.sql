@@ -138,12 +138,14 @@ BEGIN
          WHERE t.job_key = r.key AND t.status = 'running' AND t.scheduled_at <> r.tick;
         GET DIAGNOSTICS crashed = ROW_COUNT;
 
-        -- The job runs again: its skip streak ends (one recovery notice if it alerted).
+        -- The job runs again: its skip streak ends (one recovery notice if it
+        -- alerted). consecutive_skips reports the length of the streak it ends.
+        consecutive_skips := 0;
         PERFORM 1 FROM scheduler_jobs j
           WHERE j.job_key = r.key AND (j.consecutive_skips > 0 OR j.skip_alerted);
         IF FOUND THEN
-            SELECT j.skip_alerted INTO v_alerted FROM scheduler_jobs j
-             WHERE j.job_key = r.key FOR UPDATE;
+            SELECT j.skip_alerted, j.consecutive_skips INTO v_alerted, consecutive_skips
+              FROM scheduler_jobs j WHERE j.job_key = r.key FOR UPDATE;
             UPDATE scheduler_jobs j SET consecutive_skips = 0, skip_alerted = false
              WHERE j.job_key = r.key;
             recovered := v_alerted;
@@ -214,16 +216,17 @@ BEGIN
             RETURNING j.consecutive_failures INTO consecutive_failures;
             alert := consecutive_failures = r.threshold;
         ELSIF recorded AND r.status = 'succeeded' THEN
+            -- consecutive_failures reports the length of the streak this success ends.
+            consecutive_failures := 0;
             PERFORM 1 FROM scheduler_jobs j
               WHERE j.job_key = r.key AND (j.consecutive_failures > 0 OR j.fail_alerted);
             IF FOUND THEN
-                SELECT j.fail_alerted INTO v_alerted FROM scheduler_jobs j
-                 WHERE j.job_key = r.key FOR UPDATE;
+                SELECT j.fail_alerted, j.consecutive_failures INTO v_alerted, consecutive_failures
+                  FROM scheduler_jobs j WHERE j.job_key = r.key FOR UPDATE;
                 UPDATE scheduler_jobs j SET consecutive_failures = 0, fail_alerted = false
                  WHERE j.job_key = r.key;
                 recovered := v_alerted;
             END IF;
-            consecutive_failures := 0;
         END IF;
 
         IF r.unlock THEN
