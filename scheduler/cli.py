@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from scheduler.backends import Backend
 from scheduler.catalog import Catalog, load_catalog
 from scheduler.config import Config, load_config
 from scheduler.errors import ConfigError
@@ -37,7 +38,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     jobs = commands.add_parser("jobs", parents=[common], help="list every job and its next tick")
     jobs.add_argument("--json", action="store_true")
+    status = commands.add_parser("status", parents=[common], help="the fleet now")
+    status.add_argument("--json", action="store_true")
+    history = commands.add_parser("history", parents=[common], help="recent ticks")
+    history.add_argument("job", nargs="?", help="only this job")
+    history.add_argument("--limit", type=_positive, default=50, help="how many ticks (50)")
+    history.add_argument("--json", action="store_true")
+    trigger = commands.add_parser(
+        "trigger", parents=[common], help="run one tick of a job now, through the gate"
+    )
+    trigger.add_argument("job")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,6 +84,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _check(config, catalog)
     if args.command == "jobs":
         return _jobs(catalog, as_json=args.json)
+    if args.command == "status":
+        return _status(config, catalog, as_json=args.json)
+    if args.command == "history":
+        return _history(config, catalog, args.job, args.limit, as_json=args.json)
+    if args.command == "trigger":
+        return _trigger(config, catalog, args.job)
     raise ConfigError(f"unknown command {args.command!r}")  # pragma: no cover
 
 
@@ -137,6 +164,126 @@ def _jobs(catalog: Catalog, *, as_json: bool) -> int:
         return EXIT_OK
     _table(rows, ["name", "key", "schedule", "timezone", "next_tick", "source"])
     return EXIT_OK
+
+
+def _ledger_backend(config: Config) -> Backend:
+    """The backend, for reading: the schema must exist (a replica creates it)."""
+    from scheduler.backends import open_backend
+
+    backend = open_backend(config.settings)
+    try:
+        backend.migrate()
+    except Exception as exc:
+        raise ConfigError(f"cannot reach the ledger: {_first_line(exc)}") from None
+    return backend
+
+
+def _first_line(exc: BaseException) -> str:
+    from scheduler.backends.postgres import redact
+
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return redact(line) if "://" in line else line
+
+
+def _status(config: Config, catalog: Catalog, *, as_json: bool) -> int:
+    from scheduler.status import fleet_status
+
+    document = fleet_status(_ledger_backend(config), catalog, datetime.now(UTC))
+    if as_json:
+        print(json.dumps(document, indent=2))
+        return EXIT_OK
+    instances = document["instances"]
+    print(f"backend: {document['backend']}; {len(instances)} live instance(s)")
+    for instance in instances:
+        since = f" since {instance['since']}" if instance["since"] else ""
+        print(f"  {instance['name']}{since} ({instance['address'] or 'local'})")
+    rows = []
+    for job in document["jobs"]:
+        run, last = job["running"], job["last_run"]
+        rows.append(
+            {
+                "job": job["name"],
+                "key": job["key"],
+                "running": f"{run['instance']} since {run['since']}" if run else "",
+                "last": f"{last['status']} {last['finished_at'] or ''}".strip() if last else "",
+                "skips": f"{job['consecutive_skips']}/{job['skip_alert_after']}",
+                "alerting": "yes" if job["alerting"] else "",
+                "next_tick": job["next_tick"],
+            }
+        )
+    print()
+    _table(rows, ["job", "key", "running", "last", "skips", "alerting", "next_tick"])
+    return EXIT_OK
+
+
+def _history(
+    config: Config, catalog: Catalog, name: str | None, limit: int, *, as_json: bool
+) -> int:
+    from scheduler.status import history
+
+    key = None
+    if name is not None:
+        job = catalog.by_name(name)
+        if job is None:
+            raise ConfigError(f"no job named {name!r} (see `scheduler jobs`)")
+        key = job.key
+    rows = history(_ledger_backend(config), key, limit)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    _table(
+        rows,
+        [
+            "job",
+            "key",
+            "scheduled_at",
+            "instance",
+            "status",
+            "started_at",
+            "finished_at",
+            "duration_s",
+            "error",
+            "run_id",
+        ],
+    )
+    return EXIT_OK
+
+
+def _trigger(config: Config, catalog: Catalog, name: str) -> int:
+    from scheduler.backends.base import Outcome
+    from scheduler.gate import Gate
+    from scheduler.logs import RunLog, setup_logging
+
+    job = catalog.by_name(name)
+    if job is None:
+        raise ConfigError(f"no job named {name!r} (see `scheduler jobs`)")
+    settings = config.settings
+    setup_logging(settings.log_format)
+    backend = _ledger_backend(config)
+    gate = Gate(
+        backend,
+        instance=settings.instance_name,
+        max_workers=1,
+        holder_timeout=settings.holder_timeout,
+        listeners=[RunLog()],
+    )
+    gate.start()
+    try:
+        result = gate.trigger(job)
+    finally:
+        gate.stop(settings.shutdown_grace)
+    if result.outcome is Outcome.HELD:
+        print(f"{name}: not run: its lock is held by {result.holder or 'another replica'}")
+        return EXIT_HELD
+    if result.outcome is not Outcome.RUN:
+        print(f"{name}: not run: {result.error or result.outcome}")
+        return EXIT_FAILED
+    print(
+        f"{name}: run {result.run_id} {result.status}"
+        + (f": {result.error}" if result.error else "")
+    )
+    return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
 
 
 def _iso(value: datetime | None) -> str | None:

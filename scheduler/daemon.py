@@ -22,6 +22,7 @@ from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from scheduler import events
+from scheduler.alerts import Alerts, Webhook
 from scheduler.backends import Backend, open_backend
 from scheduler.backends.base import Unavailable
 from scheduler.catalog import Catalog, CatalogJob
@@ -29,6 +30,7 @@ from scheduler.config import Config
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
 from scheduler.logs import RunLog
+from scheduler.metrics import Metrics
 from scheduler.schedules import ticks_between
 
 log = logging.getLogger("scheduler.daemon")
@@ -106,7 +108,17 @@ class Daemon:
         self.backend = backend or open_backend(self.settings)
         self.stop_requested = threading.Event()
         self.signals = 0
-        self.listeners: list[events.Listener] = [RunLog(), *listeners]
+        self.metrics = Metrics([job.name for job in catalog])
+        self.webhook = (
+            Webhook(
+                self.settings.alert_webhook_url.get_secret_value(),
+                on_result=self.metrics.delivery,
+            )
+            if self.settings.alert_webhook_url
+            else None
+        )
+        alerts = Alerts(self.settings.instance_name, self.webhook, on_alert=self.metrics.alert)
+        self.listeners: list[events.Listener] = [RunLog(), self.metrics, alerts, *listeners]
         self.gate = Gate(
             self.backend,
             instance=self.settings.instance_name,
@@ -114,7 +126,9 @@ class Daemon:
             holder_timeout=self.settings.holder_timeout,
             listeners=self.listeners,
         )
-        self.housekeeping = Housekeeping(self.backend, catalog, self.settings)
+        self.housekeeping = Housekeeping(
+            self.backend, catalog, self.settings, on_streaks=self.metrics.streaks
+        )
         self.scheduler = build_scheduler(catalog, self.gate)
         self.loop_alive = False
 
@@ -167,6 +181,8 @@ class Daemon:
         self.loop_alive = False
         self.housekeeping.stop()
         abandoned = self.gate.stop(self.settings.shutdown_grace)
+        if self.webhook is not None:
+            self.webhook.close()
         if abandoned:
             log.error("gave up waiting for %s; recorded crashed", ", ".join(abandoned))
             os._exit(0)  # their threads cannot be stopped; the locks are already released

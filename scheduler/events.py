@@ -17,7 +17,8 @@ class RunStarted:
     lateness_s: float  # start (database clock) minus scheduled time
     manual: bool
     crashed: int  # stale runs of this job the claim marked crashed
-    skips_recovered: bool  # this run ends a skip streak that had alerted
+    skips_ended: int  # length of the fleet-wide skip streak this run ends
+    skips_recovered: bool  # that streak had alerted
     ping_url: str | None
 
 
@@ -33,7 +34,7 @@ class RunFinished:
     duration_s: float
     recorded: bool  # False: the run had lost its lock and its row was taken over
     lock_lost: bool
-    consecutive_failures: int | None
+    consecutive_failures: int | None  # failed: the streak so far; succeeded: the streak ended
     failures_threshold: int
     failures_alert: bool  # this failure made the streak reach its threshold
     failures_recovered: bool  # this success ends a failure streak that had alerted

@@ -475,6 +475,7 @@ class Gate:
                 lateness_s=(started_at - result.scheduled_at).total_seconds(),
                 manual=manual,
                 crashed=result.crashed,
+                skips_ended=result.consecutive_skips or 0,
                 skips_recovered=result.recovered,
                 ping_url=job.ping_url,
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -38,10 +39,17 @@ CRASHED = "replica died while the run was in progress (found by the sweep)"
 
 
 class Housekeeping:
-    def __init__(self, backend: Backend, catalog: Catalog, settings: Settings) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        catalog: Catalog,
+        settings: Settings,
+        on_streaks: Callable[[dict[str, int]], None] | None = None,
+    ) -> None:
         self.backend = backend
         self.catalog = catalog
         self.settings = settings
+        self.on_streaks = on_streaks
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,6 +84,16 @@ class Housekeeping:
             now = self.backend.now_expression()
             sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
             prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
+            states = ledger.job_states(conn) if self.on_streaks else {}
+        if self.on_streaks:
+            names = {job.key: job.name for job in self.catalog}
+            self.on_streaks(
+                {
+                    names[key]: int(state["consecutive_skips"])  # type: ignore[call-overload]
+                    for key, state in states.items()
+                    if key in names
+                }
+            )
         if sweep is not None:
             previous, now = sweep
             done["crashed"] = self.sweep_crashed(now)

@@ -309,8 +309,9 @@ def record_missed(
             ]
         )
         .on_conflict_do_nothing(index_elements=[ticks.c.job_key, ticks.c.scheduled_at])
+        .returning(ticks.c.scheduled_at)
     )
-    return conn.execute(statement).rowcount or 0
+    return len(conn.execute(statement).all())
 
 
 def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> int:

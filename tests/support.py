@@ -294,3 +294,74 @@ def assert_exactly_once(
     missing = [t.isoformat() for t in window if counts[t] == 0]
     assert not twice, f"{job}: ticks run more than once: {twice}\n{logs}"
     assert not missing, f"{job}: ticks never run inside the window: {missing}\n{logs}"
+
+
+class Receiver:
+    """A local HTTP server that records what is POSTed or GETed to it."""
+
+    def __init__(self, port: int = 0) -> None:
+        import http.server
+        import threading
+
+        received: list[dict[str, Any]] = []
+        self.received = received
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                try:
+                    parsed = json.loads(body) if body else None
+                except ValueError:
+                    parsed = body.decode(errors="replace")
+                received.append(
+                    {"method": "POST", "path": self.path, "body": parsed, "at": time.time()}
+                )
+                self.send_response(200)
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                received.append(
+                    {"method": "GET", "path": self.path, "body": None, "at": time.time()}
+                )
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str = "/") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def bodies(self, event: str | None = None) -> list[dict[str, Any]]:
+        out = [r["body"] for r in self.received if isinstance(r["body"], dict)]
+        return [b for b in out if event is None or b.get("event") == event]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(fleet: Fleet, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run a `scheduler` command against the fleet's config and database."""
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler", *args],
+        cwd=fleet.root,
+        env=fleet.env("cli"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

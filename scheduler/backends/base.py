@@ -141,3 +141,9 @@ class Backend(Protocol):
 
     def free_locks(self, conn: Connection, keys: Sequence[int]) -> set[int]:
         """Which of these job locks nobody holds right now."""
+
+    def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
+        """Replicas that are up now: name, since, address."""
+
+    def lock_holders(self, conn: Connection) -> dict[int, str]:
+        """Job key -> instance holding its lock now."""

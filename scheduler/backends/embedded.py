@@ -205,6 +205,20 @@ class EmbeddedBackend:
         """Probe inside the caller's BEGIN IMMEDIATE: no claim can take a lock meanwhile."""
         return {key for key in keys if self.locks.is_free(key)}
 
+    def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
+        return [
+            {"name": name, "since": None, "address": "localhost", "pid": None}
+            for name in self.locks.live_instances()
+        ]
+
+    def lock_holders(self, conn: Connection) -> dict[int, str]:
+        """Held job locks; the holder's name comes from the ledger's running row."""
+        held = {}
+        for row in ledger.running(conn):
+            if not self.locks.is_free(row.key) and row.instance:
+                held[row.key] = row.instance
+        return held
+
     def release(self, keys: Sequence[int]) -> None:
         for key in keys:
             self.locks.unlock(key)

@@ -311,6 +311,40 @@ class PostgresBackend:
         )
         return {row[0] for row in rows}
 
+    def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
+        """Replicas whose lock session is up: they hold (lock_namespace, 0) in share mode."""
+        rows = conn.execute(
+            text(
+                "SELECT a.application_name AS name, a.backend_start AS since,"
+                " host(a.client_addr) AS address, a.pid"
+                " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock'"
+                " AND l.database = (SELECT oid FROM pg_database"
+                "                   WHERE datname = current_database())"
+                " AND l.classid = CAST(CAST(:ns AS bigint) AS oid)"
+                " AND l.objid = CAST(:key AS oid) AND l.objsubid = 2"
+                " ORDER BY a.application_name"
+            ),
+            {"ns": self.namespace & 0xFFFFFFFF, "key": PRESENCE_KEY},
+        )
+        return [dict(row._mapping) for row in rows]
+
+    def lock_holders(self, conn: Connection) -> dict[int, str]:
+        """Job key -> the instance whose session holds its lock right now."""
+        rows = conn.execute(
+            text(
+                "SELECT CAST(l.objid AS bigint) AS key, a.application_name AS name"
+                " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock'"
+                " AND l.database = (SELECT oid FROM pg_database"
+                "                   WHERE datname = current_database())"
+                " AND l.classid = CAST(CAST(:ns AS bigint) AS oid) AND l.objsubid = 2"
+                " AND l.objid <> CAST(0 AS oid)"
+            ),
+            {"ns": self.namespace & 0xFFFFFFFF},
+        )
+        return {int(row.key): row.name for row in rows}
+
 
 def _reason(exc: BaseException) -> str:
     original = getattr(exc, "orig", None) or exc

@@ -1,0 +1,142 @@
+"""Prometheus metrics: an observer of the gate's outcomes (and of alerts and the session).
+
+Counters count what this replica did; since every tick is claimed, run,
+skipped or missed by exactly one replica, summing a counter over the fleet
+gives the fleet's figure without double counting.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from scheduler import events
+
+DURATION_BUCKETS = (0.005, 0.05, 0.25, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
+LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60)
+
+
+class Metrics:
+    def __init__(self, jobs: list[str] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.runs = Counter(
+            "scheduler_job_runs",
+            "Runs finished by this replica, by outcome.",
+            ["job", "status"],
+            registry=r,
+        )
+        self.skips = Counter(
+            "scheduler_job_skips",
+            "Ticks this replica recorded as skipped (the previous run was still going).",
+            ["job"],
+            registry=r,
+        )
+        self.missed = Counter(
+            "scheduler_job_missed",
+            "Ticks this replica recorded as missed.",
+            ["job"],
+            registry=r,
+        )
+        self.consecutive_skips = Gauge(
+            "scheduler_job_consecutive_skips",
+            "The job's fleet-wide streak of skipped ticks, as last seen by this replica.",
+            ["job"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "scheduler_job_duration_seconds",
+            "How long runs took.",
+            ["job"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.lateness = Histogram(
+            "scheduler_job_lateness_seconds",
+            "Start of a run minus its scheduled time (database clock).",
+            ["job"],
+            buckets=LATENESS_BUCKETS,
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "scheduler_job_last_success_timestamp_seconds",
+            "When a run of the job last succeeded on this replica (Unix time).",
+            ["job"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "scheduler_job_running",
+            "Runs of the job executing on this replica now.",
+            ["job"],
+            registry=r,
+        )
+        self.alerts = Counter(
+            "scheduler_alerts",
+            "Alerts and recovery notices raised by this replica.",
+            ["event", "job"],
+            registry=r,
+        )
+        self.webhook = Counter(
+            "scheduler_webhook_deliveries",
+            "Webhook delivery attempts, by result.",
+            ["event", "result"],
+            registry=r,
+        )
+        self.session_up = Gauge(
+            "scheduler_lock_session_up",
+            "1 while this replica's lock session is up.",
+            registry=r,
+        )
+        self.lock_lost = Counter(
+            "scheduler_lock_lost",
+            "Times this replica lost its lock session (and every lock).",
+            registry=r,
+        )
+        self.runs_lost = Counter(
+            "scheduler_job_lock_lost",
+            "Runs told their lock was lost (ctx.lock_lost).",
+            ["job"],
+            registry=r,
+        )
+        for job in jobs or []:
+            self.consecutive_skips.labels(job=job).set(0)
+            self.running.labels(job=job).set(0)
+
+    def __call__(self, event: events.Event) -> None:
+        if isinstance(event, events.RunStarted):
+            self.lateness.labels(job=event.job).observe(max(0.0, event.lateness_s))
+            self.consecutive_skips.labels(job=event.job).set(0)
+            self.running.labels(job=event.job).inc()
+        elif isinstance(event, events.RunFinished):
+            self.runs.labels(job=event.job, status=event.status).inc()
+            self.duration.labels(job=event.job).observe(event.duration_s)
+            self.running.labels(job=event.job).dec()
+            if event.status == "succeeded":
+                self.last_success.labels(job=event.job).set(time.time())
+        elif isinstance(event, events.TickSkipped):
+            self.skips.labels(job=event.job).inc()
+            self.consecutive_skips.labels(job=event.job).set(event.consecutive_skips)
+        elif isinstance(event, events.TickMissed):
+            self.missed.labels(job=event.job).inc()
+        elif isinstance(event, events.SessionUp):
+            self.session_up.set(1)
+        elif isinstance(event, events.SessionLost):
+            self.session_up.set(0)
+            self.lock_lost.inc()
+            for job in event.runs:
+                self.runs_lost.labels(job=job).inc()
+
+    def alert(self, name: str, job: str) -> None:
+        self.alerts.labels(event=name, job=job).inc()
+
+    def delivery(self, name: str, ok: bool) -> None:
+        self.webhook.labels(event=name, result="ok" if ok else "failed").inc()
+
+    def streaks(self, skips: dict[str, int]) -> None:
+        """The fleet's streaks as read from the ledger (housekeeping refreshes them)."""
+        for job, count in skips.items():
+            self.consecutive_skips.labels(job=job).set(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

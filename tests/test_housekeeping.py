@@ -1,0 +1,206 @@
+"""Fleet chores: one replica at a time; stale runs, missed ticks, retention; indexes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from scheduler import ledger
+from scheduler.backends.base import ClaimRequest, Intent, Outcome
+from scheduler.backends.embedded import EmbeddedBackend
+from scheduler.backends.postgres import PostgresBackend
+from scheduler.catalog import Catalog
+from scheduler.config import Settings
+from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
+from tests.test_gate import make_job
+
+NAMESPACE = 4444
+
+
+@pytest.fixture(params=["postgresql", "embedded"])
+def backend_factory(request, tmp_path):
+    opened = []
+
+    def make(instance: str):
+        if request.param == "postgresql":
+            url = request.getfixturevalue("database_url")
+            backend = PostgresBackend(
+                url, instance=instance, namespace=NAMESPACE, holder_timeout=30
+            )
+        else:
+            backend = EmbeddedBackend(
+                tmp_path / "scheduler.db", instance=instance, namespace=NAMESPACE
+            )
+        backend.migrate()
+        opened.append(backend)
+        return backend
+
+    yield make
+    for backend in opened:
+        backend.close()
+
+
+def settings(**values) -> Settings:
+    return Settings(instance_name="hk", **values)
+
+
+def test_one_replica_at_a_time_does_the_chores(backend_factory):
+    job = make_job(601, lambda ctx: None, name="chore")
+    keepers = [
+        Housekeeping(backend_factory(f"h{i}"), Catalog((job,)), settings()) for i in range(3)
+    ]
+    done = [keeper.run_once() for keeper in keepers]
+    assert sum("crashed" in d for d in done) == 1
+    assert sum("pruned" in d for d in done) == 1
+    assert [keeper.run_once() for keeper in keepers] == [{}, {}, {}]  # not due again yet
+
+
+def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
+    job = make_job(611, lambda ctx: None, name="orphan")
+    dead, alive = backend_factory("dead"), backend_factory("alive")
+    dead.connect()
+    alive.connect()
+    tick = datetime.now(UTC).replace(microsecond=0)
+    request = ClaimRequest(
+        key=611, name="orphan", scheduled_at=tick, intent=Intent.RUN, grace_s=30, skip_threshold=3
+    )
+    assert dead.claim([request], "dead")[0].outcome is Outcome.RUN
+    keeper = Housekeeping(alive, Catalog((job,)), settings())
+    assert keeper.sweep_crashed(datetime.now(UTC)) == 0  # its lock is still held
+    dead.close()  # the replica dies; its next tick is hours away
+    assert keeper.sweep_crashed(datetime.now(UTC)) == 1
+    with alive.ledger_engine.connect() as conn:
+        assert ledger.latest(conn, 611).status == "crashed"
+
+
+def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
+    job = make_job(621, lambda ctx: None, name="lonely")  # 1 s interval, 30 s grace
+    backend = backend_factory("h")
+    keeper = Housekeeping(backend, Catalog((job,)), settings())
+    now = datetime.now(UTC).replace(microsecond=0)
+    with backend.ledger_engine.begin() as conn:
+        ledger.track_jobs(conn, [(621, "lonely", "every 1s")], now - timedelta(minutes=10))
+    cutoff = now - job.misfire_grace - MISSED_MARGIN
+    ran = cutoff - timedelta(seconds=5)
+    with backend.ledger_engine.begin() as conn:
+        conn.execute(
+            ledger.ticks.insert().values(
+                job_key=621, scheduled_at=ran, job_name="lonely", status="succeeded"
+            )
+        )
+    recorded = keeper.sweep_missed(now - timedelta(seconds=40), now)
+    with backend.ledger_engine.connect() as conn:
+        rows = ledger.history(conn, 621, 1000)
+    missed = [r.scheduled_at for r in rows if r.status == "missed"]
+    assert recorded == len(missed) > 0
+    assert ran not in missed  # a tick that has a row keeps it
+    assert max(missed) <= cutoff  # a tick still within its grace may yet be claimed
+    assert keeper.sweep_missed(now - timedelta(seconds=40), now) == 0  # idempotent
+
+
+def test_missed_ticks_are_bounded_per_job(backend_factory):
+    job = make_job(631, lambda ctx: None, name="long_gone")
+    backend = backend_factory("h")
+    keeper = Housekeeping(backend, Catalog((job,)), settings())
+    now = datetime.now(UTC)
+    with backend.ledger_engine.begin() as conn:
+        ledger.track_jobs(conn, [(631, "long_gone", "every 1s")], now - timedelta(days=3))
+    assert keeper.sweep_missed(now - timedelta(days=3), now) == 100
+
+
+def test_retention_prunes_old_finished_rows_only(backend_factory):
+    backend = backend_factory("h")
+    now = datetime.now(UTC)
+    old, fresh = now - timedelta(days=2), now - timedelta(hours=1)
+    with backend.ledger_engine.begin() as conn:
+        for i in range(30):
+            conn.execute(
+                ledger.ticks.insert().values(
+                    job_key=641,
+                    scheduled_at=old - timedelta(seconds=i),
+                    job_name="j",
+                    status="succeeded",
+                )
+            )
+        conn.execute(
+            ledger.ticks.insert().values(
+                job_key=641,
+                scheduled_at=old + timedelta(seconds=1),
+                job_name="j",
+                status="running",
+                run_id=1,
+            )
+        )
+        conn.execute(
+            ledger.ticks.insert().values(
+                job_key=641, scheduled_at=fresh, job_name="j", status="succeeded"
+            )
+        )
+    pruned = []
+    while True:
+        with backend.ledger_engine.begin() as conn:
+            pruned.append(ledger.prune_batch(conn, now - timedelta(days=1), batch=7))
+        if not pruned[-1]:
+            break
+    assert sum(pruned) == 30 and len(pruned) > 2  # in several bounded batches
+    with backend.ledger_engine.connect() as conn:
+        left = {r.status for r in ledger.history(conn, 641, 100)}
+    assert left == {"running", "succeeded"}  # a run still going is never pruned
+
+
+def test_the_elected_replica_prunes(backend_factory):
+    backend = backend_factory("h")
+    old = datetime.now(UTC) - timedelta(days=3)
+    with backend.ledger_engine.begin() as conn:
+        conn.execute(
+            ledger.ticks.insert().values(
+                job_key=651, scheduled_at=old, job_name="j", status="succeeded"
+            )
+        )
+    keeper = Housekeeping(backend, Catalog(()), settings(retention_days=1))
+    assert keeper.run_once()["pruned"] == 1
+
+
+def test_indexes_serve_the_claim_history_and_prune_with_millions_of_rows(database_url):
+    backend = PostgresBackend(database_url, instance="ix", namespace=NAMESPACE, holder_timeout=30)
+    backend.migrate()
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO scheduler_ticks (job_key, scheduled_at, job_name, status, run_id)"
+            " SELECT k, now() - make_interval(secs => s), 'job' || k, 'succeeded', s * 500 + k"
+            " FROM generate_series(1, 500) k, generate_series(1, 2000) s"
+        )
+        conn.execute("ANALYZE scheduler_ticks")
+        assert conn.execute("SELECT count(*) FROM scheduler_ticks").fetchone()[0] == 1_000_000
+        plans = {
+            "history of one job": "SELECT * FROM scheduler_ticks WHERE job_key = 7"
+            " ORDER BY scheduled_at DESC LIMIT 50",
+            "history of all jobs": "SELECT * FROM scheduler_ticks"
+            " ORDER BY scheduled_at DESC, job_key LIMIT 50",
+            "running runs": "SELECT * FROM scheduler_ticks WHERE status = 'running'",
+            "claim conflict": "SELECT 1 FROM scheduler_ticks WHERE job_key = 7"
+            " AND scheduled_at = now()",
+            "prune batch": "SELECT scheduled_at FROM scheduler_ticks"
+            " WHERE scheduled_at < now() - interval '1 hour' ORDER BY scheduled_at"
+            " OFFSET 4999 LIMIT 1",
+        }
+        for name, query in plans.items():
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query))
+            assert "Seq Scan" not in plan, f"{name} scans the table:\n{plan}"
+    backend.connect()
+    tick = datetime.now(UTC).replace(microsecond=0)
+    requests = [
+        ClaimRequest(
+            key=k,
+            name=f"job{k}",
+            scheduled_at=tick,
+            intent=Intent.RUN,
+            grace_s=30,
+            skip_threshold=3,
+        )
+        for k in range(1, 501)
+    ]
+    assert {r.outcome for r in backend.claim(requests, "ix")} == {Outcome.RUN}
+    backend.close()
