@@ -17,7 +17,7 @@ from typing import Any
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, load_catalog
 from scheduler.config import Config, load_config
-from scheduler.errors import ConfigError
+from scheduler.errors import ConfigError, one_line
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD = 0, 1, 2, 3
 
@@ -174,16 +174,8 @@ def _ledger_backend(config: Config) -> Backend:
     try:
         backend.migrate()
     except Exception as exc:
-        raise ConfigError(f"cannot reach the ledger: {_first_line(exc)}") from None
+        raise ConfigError(f"cannot reach the ledger: {one_line(exc)}") from None
     return backend
-
-
-def _first_line(exc: BaseException) -> str:
-    from scheduler.backends.postgres import redact
-
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    return redact(line) if "://" in line else line
 
 
 def _status(config: Config, catalog: Catalog, *, as_json: bool) -> int:

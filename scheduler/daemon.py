@@ -20,6 +20,7 @@ from typing import Any
 
 from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from scheduler import events
 from scheduler.alerts import Alerts, Webhook
@@ -27,6 +28,7 @@ from scheduler.backends import Backend, open_backend
 from scheduler.backends.base import Unavailable
 from scheduler.catalog import Catalog, CatalogJob
 from scheduler.config import Config
+from scheduler.errors import one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
 from scheduler.logs import RunLog
@@ -141,10 +143,9 @@ class Daemon:
                 self.housekeeping.track_jobs()
             except Unavailable as exc:
                 log.warning("database unreachable (%s); retrying", exc)
-            except Exception as exc:
-                if not _is_unreachable(exc):
-                    raise
-                log.warning("database unreachable (%s); retrying", _first_line(exc))
+            except SQLAlchemyError as exc:  # no database error ends the daemon
+                level = logging.WARNING if _is_unreachable(exc) else logging.ERROR
+                log.log(level, "cannot prepare the ledger (%s); retrying", one_line(exc))
             else:
                 if found == 0:
                     log.info("created the ledger schema")
@@ -203,11 +204,4 @@ class Daemon:
 
 
 def _is_unreachable(exc: BaseException) -> bool:
-    from sqlalchemy.exc import OperationalError
-
-    return isinstance(exc, OperationalError | OSError)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return isinstance(exc, OperationalError)

@@ -1,4 +1,8 @@
-"""Errors the command line turns into one clear message and exit status 2."""
+"""Errors the command line turns into one clear message, and how any error is shown in one line."""
+
+import re
+
+_PASSWORD = re.compile(r"(://[^:/@\s]+):[^@\s]*@")
 
 
 class ConfigError(Exception):
@@ -11,3 +15,11 @@ class ConfigError(Exception):
 
 class PoolerError(ConfigError):
     """The database connection does not keep one server session across statements."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an error (a driver's, under SQLAlchemy's wrapper), passwords hidden."""
+    original = getattr(exc, "orig", None) or exc
+    text = str(original).strip()
+    line = text.splitlines()[0] if text else type(original).__name__
+    return _PASSWORD.sub(r"\1:***@", line)

@@ -152,7 +152,9 @@ class Gate:
         self._accepting = True
         self._stopped = threading.Event()
 
+        self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._generation = 0  # bumped whenever the lock session is lost
+        self._sessions = 0  # bumped whenever a lock session opens
         self._connected = False
         self._last_proof = monotonic()  # send time of the last round trip that succeeded
         self._backoff = Backoff()
@@ -219,6 +221,8 @@ class Gate:
         with self._mutex:
             self._accepting = False
             self._pending.clear()
+        # A claim already on its way may still start runs: let its step end first.
+        with self._stepping, self._mutex:
             runs = list(self._runs.values())
         for run in runs:
             run.ctx.stopping.set()
@@ -252,15 +256,16 @@ class Gate:
     def _loop(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ)
-        watched: int | None = None
+        watched: tuple[int, int] | None = None  # (session, socket) being watched
         while not self._stopped.is_set():
             fd = self.backend.fileno() if self._connected else None
-            if fd != watched:
+            current = (self._sessions, fd) if fd is not None else None
+            if current != watched:
                 if watched is not None:
-                    selector.unregister(watched)
-                if fd is not None:
-                    selector.register(fd, selectors.EVENT_READ)
-                watched = fd
+                    selector.unregister(watched[1])  # tolerates a closed socket
+                if current is not None:
+                    selector.register(current[1], selectors.EVENT_READ)
+                watched = current
             try:
                 for key, _ in selector.select(self._wait_time()):
                     if key.fd == self._wake_r:
@@ -285,6 +290,10 @@ class Gate:
 
     def step(self) -> None:
         """One pass: connect if needed, record finished runs, claim queued ticks, heartbeat."""
+        with self._stepping:
+            self._step()
+
+    def _step(self) -> None:
         if not self._connected and not self._reconnect():
             return
         if self._server_said_something():
@@ -331,7 +340,13 @@ class Gate:
             slots = self._free_slots()
             batch: list[tuple[CatalogJob, datetime, Intent]] = []
             for key, (job, tick) in list(self._pending.items()):
-                if key in self._runs:
+                run = self._runs.get(key)
+                if run is not None and run.generation != self._generation:
+                    # A run here lost its lock and has not ended yet: it no longer
+                    # speaks for the job. Leave the tick to the other replicas.
+                    del self._pending[key]
+                    continue
+                if run is not None:
                     batch.append((job, tick, Intent.SKIP))
                 elif slots > 0:
                     batch.append((job, tick, Intent.RUN))
@@ -579,6 +594,7 @@ class Gate:
             log.warning("database unreachable (%s); retrying", exc)
             return False
         self._connected = True
+        self._sessions += 1
         self._last_proof = self.monotonic()
         self._backoff.reset()
         self._emit(events.SessionUp(self.instance, self.backend.name))
@@ -612,6 +628,9 @@ class Gate:
                         self.monotonic() - self._last_proof,
                     )
                     run.ctx.lock_lost.set()
+            # If the dispatcher is stuck in a call to a server that no longer
+            # answers (a black-holed network), cut the call short.
+            self.backend.abort()
             self._wake()
 
     # -- plumbing --------------------------------------------------------------------

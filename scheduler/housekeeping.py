@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from scheduler import ledger
 from scheduler.catalog import Catalog
 from scheduler.config import Settings
+from scheduler.errors import one_line
 from scheduler.schedules import ticks_between
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class Housekeeping:
             try:
                 self.run_once()
             except Exception as exc:
-                log.warning("housekeeping failed (will retry): %s", _first_line(exc))
+                log.warning("housekeeping failed (will retry): %s", one_line(exc))
 
     def run_once(self) -> dict[str, int]:
         """Do whichever chores this replica wins; returns what was done."""
@@ -168,8 +169,3 @@ class Housekeeping:
             for tick in ticks_between(job.trigger, start, until, MISSED_LIMIT):
                 expected.append((job.key, tick))
         return expected
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -61,7 +61,7 @@ EVIDENCE = os.environ["SCHEDULER_TEST_EVIDENCE"]
 def record(ctx, **extra):
     line = json.dumps({"job": ctx.job_name, "tick": ctx.scheduled_at.isoformat(),
                        "instance": ctx.instance, "run_id": ctx.run_id, "pid": os.getpid(),
-                       **extra})
+                       "at": time.time(), **extra})
     with open(EVIDENCE, "a") as f:
         f.write(line + "\\n")
 
@@ -365,3 +365,89 @@ def cli(fleet: Fleet, *args: str, timeout: float = 60) -> subprocess.CompletedPr
         text=True,
         timeout=timeout,
     )
+
+
+class Proxy:
+    """A TCP proxy in front of PostgreSQL that can black-hole its traffic, like a cut cable.
+
+    While cut, nothing is forwarded either way and new connections hang; the
+    sockets stay open, so neither side sees an error from the network itself.
+    """
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        import socket
+        import threading
+
+        self.upstream = (upstream_host, upstream_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open = threading.Event()
+        self.open.set()
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, database_url: str) -> str:
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(database_url)
+        netloc = parts.netloc.rsplit("@", 1)
+        auth = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{self.port}"))
+
+    def cut(self) -> None:
+        self.open.clear()
+
+    def restore(self) -> None:
+        """The network is back: connections that were cut are gone; new ones flow."""
+        for a, b in self.pairs:
+            for sock in (a, b):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+        self.pairs.clear()
+        self.open.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.restore()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.open.wait()
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            self.pairs.append((client, server))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source, target) -> None:
+        while True:
+            self.open.wait()
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                try:
+                    target.shutdown(2)
+                except OSError:
+                    pass
+                return
+            self.open.wait()  # data read just before a cut is held, not delivered
+            try:
+                target.sendall(data)
+            except OSError:
+                return

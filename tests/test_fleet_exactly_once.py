@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -31,7 +32,7 @@ SCHEDULES = {"every_second": {"interval": "1s"}, "cron_second": {"cron": "* * * 
 WINDOW_S = 12
 
 
-def _run_fleet(fleet: Fleet, offsets: dict[str, str | None]) -> None:
+def _run_fleet(fleet: Fleet, offsets: dict[str, str | None]) -> list[dict]:
     for name, offset in offsets.items():
         fleet.start(name, clock_offset=offset)
     try:
@@ -50,19 +51,20 @@ def _run_fleet(fleet: Fleet, offsets: dict[str, str | None]) -> None:
         assert_exactly_once(evidence, job, window, fleet.logs())
     overlaps = [e for e in evidence if e.get("overlap")]
     assert not overlaps, f"runs of one job overlapped: {overlaps}"
-    instances = {e["instance"] for e in evidence}
-    assert len(instances) >= 2, f"expected the work spread over replicas, got {instances}"
     # The ledger agrees with the evidence: one row per tick, all succeeded.
     rows = fleet.ledger()
     keys = [(r["job_key"], r["scheduled_at"]) for r in rows]
     assert len(keys) == len(set(keys))
     in_window = [r for r in rows if start <= r["scheduled_at"] <= end]
     assert {r["status"] for r in in_window} == {"succeeded"}, in_window
+    return evidence
 
 
 def test_three_replicas_run_each_tick_once(tmp_path, database_url):
     fleet = Fleet(tmp_path, database_url, SCHEDULES, job_code=JOBS)
-    _run_fleet(fleet, {"r1": None, "r2": None, "r3": None})
+    evidence = _run_fleet(fleet, {"r1": None, "r2": None, "r3": None})
+    instances = {e["instance"] for e in evidence}
+    assert len(instances) >= 2, f"expected the work spread over replicas, got {instances}"
 
 
 def test_skewed_clocks_still_run_each_tick_once(tmp_path, database_url):
@@ -71,4 +73,9 @@ def test_skewed_clocks_still_run_each_tick_once(tmp_path, database_url):
             pytest.fail("faketime is required in CI (apt-get install faketime)")
         pytest.skip("faketime not installed (apt-get install faketime)")
     fleet = Fleet(tmp_path, database_url, SCHEDULES, job_code=JOBS)
-    _run_fleet(fleet, {"ahead": "+0.45s", "behind": "-0.45s", "exact": None})
+    evidence = _run_fleet(fleet, {"ahead": "+0.45s", "behind": "-0.45s", "exact": None})
+    # The skew was in effect: the replica whose clock runs ahead fires first and wins
+    # most ticks; the others' triggers fire after its 1 ms runs have ended, and a
+    # lock alone would have let them run every tick again.
+    won = Counter(e["instance"] for e in evidence if e.get("event") == "start")
+    assert won["ahead"] > sum(won.values()) / 2, won

@@ -125,6 +125,9 @@ class Backend(Protocol):
     def check_alive(self) -> None:
         """Called when fileno() is readable; raises SessionLost if the session ended."""
 
+    def abort(self) -> None:
+        """From any thread: make a call hanging on a dead server fail now."""
+
     # Housekeeping and the command line use a second connection, never the lock session.
     @property
     def ledger_engine(self) -> Engine:

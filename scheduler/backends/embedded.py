@@ -183,6 +183,9 @@ class EmbeddedBackend:
     def fileno(self) -> int | None:
         return None  # no server to say goodbye
 
+    def abort(self) -> None:
+        return None  # no call can hang on a dead server
+
     def check_alive(self) -> None:
         return None
 

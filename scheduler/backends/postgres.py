@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Engine, create_engine, func, select, text
+from sqlalchemy import Connection, Engine, create_engine, event, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
@@ -39,6 +41,7 @@ from scheduler.backends.base import (
     Unavailable,
 )
 from scheduler.backends.schema import migrate
+from scheduler.errors import one_line
 
 log = logging.getLogger("scheduler.postgres")
 
@@ -130,7 +133,19 @@ class PostgresBackend:
             pool_recycle=600,
             connect_args=connect_args(instance, holder_timeout, url),
         )
+        event.listen(self.ledger_engine, "connect", self._ledger_session_settings)
         self._conn: Connection | None = None
+
+    def _ledger_session_settings(self, dbapi_connection: Any, _record: Any) -> None:
+        """A replica frozen mid-transaction must not hold ledger rows for long."""
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
+                " set_config('statement_timeout', '60s', false),"
+                " set_config('TimeZone', 'UTC', false)",
+                (f"{int(self.holder_timeout * 1000)}ms",),
+            )
+        dbapi_connection.commit()
 
     # -- the session ---------------------------------------------------------------
 
@@ -139,7 +154,7 @@ class PostgresBackend:
         try:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except SQLAlchemyError as exc:
-            raise Unavailable(_reason(exc)) from None
+            raise Unavailable(one_line(exc)) from None
         try:
             driver = conn.connection.driver_connection
             assert isinstance(driver, psycopg.Connection)
@@ -158,7 +173,7 @@ class PostgresBackend:
         except Exception as exc:
             conn.invalidate()
             conn.close()
-            raise Unavailable(_reason(exc)) from None
+            raise Unavailable(one_line(exc)) from None
         self._conn = conn
 
     def close(self) -> None:
@@ -187,8 +202,24 @@ class PostgresBackend:
         except SQLAlchemyError as exc:
             if is_connection_error(exc):
                 self.close()
-                raise SessionLost(_reason(exc)) from None
+                raise SessionLost(one_line(exc)) from None
             raise
+
+    def abort(self) -> None:
+        """Shut the session's socket down under a call that hangs (any thread).
+
+        The blocked call then fails at once, and the gate reconnects. Used
+        when no round trip has succeeded for holder_timeout: by then the server
+        has ended the session anyway.
+        """
+        fd = self.fileno()
+        if fd is None:
+            return
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def fileno(self) -> int | None:
         if self._conn is None:
@@ -344,9 +375,3 @@ class PostgresBackend:
             {"ns": self.namespace & 0xFFFFFFFF},
         )
         return {int(row.key): row.name for row in rows}
-
-
-def _reason(exc: BaseException) -> str:
-    original = getattr(exc, "orig", None) or exc
-    message = str(original).strip().splitlines()[0] if str(original).strip() else ""
-    return message or type(original).__name__

@@ -1,0 +1,261 @@
+"""Guarantees 2 to 6 under injected faults: frozen, cut-off and killed replicas, killed
+sessions, a database restart, and signals. Real replicas, real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support import Fleet, Proxy, parse_tick, wait_for
+
+pytestmark = pytest.mark.fleet
+
+LONG = '''
+@job(key=41)
+def long_job(ctx: RunContext) -> None:
+    exclusive(ctx, 20, until_stopping=False)
+'''
+QUICK = '''
+@job(key=42)
+def quick(ctx: RunContext) -> None:
+    exclusive(ctx, 0.001)
+'''
+THREE_SECONDS = '''
+@job(key=43)
+def three_seconds(ctx: RunContext) -> None:
+    exclusive(ctx, 3, until_stopping=False)
+'''
+
+
+def starts(fleet: Fleet, instance: str | None = None) -> list[dict]:
+    return [
+        e for e in fleet.evidence()
+        if e.get("event") == "start" and (instance is None or e["instance"] == instance)
+    ]
+
+
+def ends(fleet: Fleet, instance: str | None = None) -> list[dict]:
+    return [
+        e for e in fleet.evidence()
+        if e.get("event") == "end" and (instance is None or e["instance"] == instance)
+    ]
+
+
+def assert_no_tick_twice(fleet: Fleet) -> None:
+    counts = Counter((e["job"], e["tick"]) for e in starts(fleet))
+    twice = {k: n for k, n in counts.items() if n > 1}
+    assert not twice, f"ticks run twice: {twice}\n{fleet.logs()}"
+
+
+def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
+    tmp_path, database_url
+):
+    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}},
+                  settings={"holder_timeout": 6}, job_code=LONG)
+    fleet.start("r1")
+    fleet.start("r2")
+    try:
+        fleet.wait_ready()
+        first = wait_for(lambda: starts(fleet), 30, "the long job to start")[0]
+        victim = fleet.replicas[first["instance"]]
+        survivor = next(r for r in fleet.replicas.values() if r is not victim)
+        victim.signal(signal.SIGSTOP)
+        frozen_at = time.time()
+
+        taken = wait_for(lambda: starts(fleet, survivor.name), 30, "a takeover")[0]
+        assert taken["at"] - frozen_at <= 12, f"took {taken['at'] - frozen_at:.1f} s"
+        assert taken["run_id"] > first["run_id"]
+        survivor_row = _row(fleet, taken["tick"])
+        assert (survivor_row["status"], survivor_row["instance"]) == ("running", survivor.name)
+
+        victim.signal(signal.SIGCONT)
+        resumed_at = time.time()
+        late = wait_for(lambda: ends(fleet, victim.name), 40, "the stale run to finish")[0]
+        assert late["lock_lost"], "the stale run was never told it lost its lock"
+        assert late["lock_lost_at"] - resumed_at <= 5, "lock_lost came too late"
+        # Its late finish changed no one else's record.
+        stale_row = _row(fleet, first["tick"])
+        assert (stale_row["status"], stale_row["instance"]) == ("crashed", victim.name)
+        after = _row(fleet, taken["tick"])
+        assert (after["instance"], after["run_id"]) == (survivor.name, taken["run_id"])
+        assert after["status"] in ("running", "succeeded")
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+    assert codes == {"r1": 0, "r2": 0}, fleet.logs()
+    assert_no_tick_twice(fleet)
+    # Overlap happened only with the run that had lost its lock.
+    assert all(e["instance"] == survivor.name for e in starts(fleet) if e.get("overlap"))
+
+
+def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, database_url):
+    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_code=QUICK)
+    fleet.start("r1")
+    fleet.start("r2")
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: len(starts(fleet)) >= 3, 30, "a few runs")
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()[0]
+        killed_at = time.time()
+        assert killed >= 2
+        resumed = wait_for(
+            lambda: [e for e in starts(fleet) if e["at"] > killed_at + 0.01], 30, "a new run"
+        )[0]
+        assert resumed["at"] - killed_at <= 3, f"ticks resumed after {resumed['at'] - killed_at} s"
+        time.sleep(3)
+        assert all(r.process.poll() is None for r in fleet.replicas.values()), fleet.logs()
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+    assert codes == {"r1": 0, "r2": 0}, fleet.logs()
+    assert "lock session lost" in fleet.logs()
+    assert_no_tick_twice(fleet)
+
+
+def test_sigterm_mid_run_lets_the_run_finish_and_starts_nothing_new(tmp_path, database_url):
+    fleet = Fleet(tmp_path, database_url, {"three_seconds": {"interval": "4s"}},
+                  job_code=THREE_SECONDS)
+    replica = fleet.start("r1")
+    try:
+        fleet.wait_ready()
+        first = wait_for(lambda: starts(fleet), 30, "the run to start")[0]
+        wait_for(lambda: time.time() >= first["at"] + 1, 5, "one second into the run")
+        replica.signal(signal.SIGTERM)
+        signalled_at = time.time()
+        code = replica.wait(30)
+    finally:
+        fleet.kill_all()
+    assert code == 0, fleet.logs()
+    finished = ends(fleet)
+    assert [e["run_id"] for e in finished] == [first["run_id"]], fleet.logs()
+    assert not [e for e in starts(fleet) if e["at"] > signalled_at]
+    assert _row(fleet, first["tick"])["status"] == "succeeded"
+    assert "every lock released" in replica.log()
+
+
+def test_a_second_signal_exits_at_once(tmp_path, database_url):
+    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}}, job_code=LONG)
+    replica = fleet.start("r1")
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: starts(fleet), 30, "the run to start")
+        replica.signal(signal.SIGTERM)
+        wait_for(lambda: "stopping" in replica.log(), 10, "the first signal to be handled")
+        replica.signal(signal.SIGINT)
+        code = replica.wait(5)
+    finally:
+        fleet.kill_all()
+    assert code == 128 + signal.SIGINT
+
+
+def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
+    host, port = _host_port(database_url)
+    proxy = Proxy(host, port)
+    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}},
+                  settings={"holder_timeout": 6}, job_code=LONG)
+    cut_off = fleet.start("cut", env={"SCHEDULER_DATABASE_URL": proxy.url(database_url)})
+    try:
+        fleet.wait_ready()
+        first = wait_for(lambda: starts(fleet, "cut"), 30, "the long job to start")[0]
+        other = fleet.start("other")
+        fleet.wait_ready()
+        proxy.cut()
+        cut_at = time.time()
+        taken = wait_for(lambda: starts(fleet, "other"), 30, "a takeover")[0]
+        assert taken["at"] - cut_at <= 12, f"took {taken['at'] - cut_at:.1f} s"
+        # The cut-off run is told, by its own replica, within about holder_timeout.
+        told = wait_for(lambda: "can no longer be proven" in cut_off.log(), 15, "lock_lost")
+        assert told
+        proxy.restore()
+        wait_for(lambda: cut_off.log().count("lock session up") >= 2, 30, "a reconnection")
+        late = wait_for(lambda: ends(fleet, "cut"), 40, "the stale run to finish")[0]
+        assert late["lock_lost"] and late["lock_lost_at"] - cut_at <= 9
+        assert _row(fleet, first["tick"])["status"] == "crashed"
+        assert cut_off.process.poll() is None and other.process.poll() is None
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+        proxy.close()
+    assert codes == {"cut": 0, "other": 0}, fleet.logs()
+    assert_no_tick_twice(fleet)
+
+
+def _cluster() -> list[str] | None:
+    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster") or not Path("/etc/postgresql").is_dir():
+        return None
+    versions = sorted(p.name for p in Path("/etc/postgresql").iterdir())
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main"] if versions else None
+
+
+def test_replicas_survive_a_database_restart(tmp_path, database_url, pg_server):
+    cluster = _cluster()
+    if cluster is None or "127.0.0.1:5432" not in pg_server:
+        pytest.skip("needs root and the local Debian cluster (as in CI) to restart PostgreSQL")
+    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_code=QUICK)
+    fleet.start("r1")
+    fleet.start("r2")
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: len(starts(fleet)) >= 3, 30, "a few runs")
+        subprocess.run([*cluster, "restart", "-m", "fast"], check=True, timeout=60)
+        restarted_at = time.time()
+        wait_for(
+            lambda: [e for e in starts(fleet) if e["at"] > restarted_at], 30, "runs after restart"
+        )
+        time.sleep(3)
+        assert all(r.process.poll() is None for r in fleet.replicas.values()), fleet.logs()
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+        subprocess.run([*cluster, "start"], timeout=60, capture_output=True)
+    assert codes == {"r1": 0, "r2": 0}, fleet.logs()
+    assert_no_tick_twice(fleet)
+
+
+def test_catch_up_latest_runs_the_tick_missed_while_the_fleet_was_down(tmp_path, database_url):
+    # An hourly grid whose latest tick passed 10 s ago, while no replica was up.
+    anchor = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=10)
+    schedule = {"interval": "1h", "start": anchor.isoformat(), "misfire_grace": "1m"}
+    fleet = Fleet(
+        tmp_path, database_url,
+        {"quick": {**schedule, "catch_up": "latest"}, "long_job": schedule},
+        job_code=QUICK + LONG,
+    )
+    fleet.start("r1")
+    fleet.start("r2")
+    try:
+        fleet.wait_ready()
+        ran = wait_for(lambda: starts(fleet), 30, "the caught-up run")
+        time.sleep(2)
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+    assert codes == {"r1": 0, "r2": 0}
+    assert [(e["job"], parse_tick(e["tick"])) for e in starts(fleet)] == [("quick", anchor)]
+    assert len(ran) == 1
+
+
+def _row(fleet: Fleet, tick: str) -> dict:
+    rows = [r for r in fleet.ledger() if r["scheduled_at"] == parse_tick(tick)]
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 5432
