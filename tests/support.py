@@ -402,10 +402,8 @@ class Proxy:
         """The network is back: connections that were cut are gone; new ones flow."""
         for a, b in self.pairs:
             for sock in (a, b):
-                try:
+                with contextlib.suppress(OSError):
                     sock.close()
-                except OSError:
-                    pass
         self.pairs.clear()
         self.open.set()
 
@@ -441,10 +439,8 @@ class Proxy:
             except OSError:
                 return
             if not data:
-                try:
+                with contextlib.suppress(OSError):
                     target.shutdown(2)
-                except OSError:
-                    pass
                 return
             self.open.wait()  # data read just before a cut is held, not delivered
             try:

@@ -19,33 +19,35 @@ from tests.support import Fleet, Proxy, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
-LONG = '''
+LONG = """
 @job(key=41)
 def long_job(ctx: RunContext) -> None:
     exclusive(ctx, 20, until_stopping=False)
-'''
-QUICK = '''
+"""
+QUICK = """
 @job(key=42)
 def quick(ctx: RunContext) -> None:
     exclusive(ctx, 0.001)
-'''
-THREE_SECONDS = '''
+"""
+THREE_SECONDS = """
 @job(key=43)
 def three_seconds(ctx: RunContext) -> None:
     exclusive(ctx, 3, until_stopping=False)
-'''
+"""
 
 
 def starts(fleet: Fleet, instance: str | None = None) -> list[dict]:
     return [
-        e for e in fleet.evidence()
+        e
+        for e in fleet.evidence()
         if e.get("event") == "start" and (instance is None or e["instance"] == instance)
     ]
 
 
 def ends(fleet: Fleet, instance: str | None = None) -> list[dict]:
     return [
-        e for e in fleet.evidence()
+        e
+        for e in fleet.evidence()
         if e.get("event") == "end" and (instance is None or e["instance"] == instance)
     ]
 
@@ -59,8 +61,13 @@ def assert_no_tick_twice(fleet: Fleet) -> None:
 def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
     tmp_path, database_url
 ):
-    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}},
-                  settings={"holder_timeout": 6}, job_code=LONG)
+    fleet = Fleet(
+        tmp_path,
+        database_url,
+        {"long_job": {"interval": "2s"}},
+        settings={"holder_timeout": 6},
+        job_code=LONG,
+    )
     fleet.start("r1")
     fleet.start("r2")
     try:
@@ -126,8 +133,9 @@ def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, data
 
 
 def test_sigterm_mid_run_lets_the_run_finish_and_starts_nothing_new(tmp_path, database_url):
-    fleet = Fleet(tmp_path, database_url, {"three_seconds": {"interval": "4s"}},
-                  job_code=THREE_SECONDS)
+    fleet = Fleet(
+        tmp_path, database_url, {"three_seconds": {"interval": "4s"}}, job_code=THREE_SECONDS
+    )
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
@@ -164,8 +172,13 @@ def test_a_second_signal_exits_at_once(tmp_path, database_url):
 def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
     host, port = _host_port(database_url)
     proxy = Proxy(host, port)
-    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}},
-                  settings={"holder_timeout": 6}, job_code=LONG)
+    fleet = Fleet(
+        tmp_path,
+        database_url,
+        {"long_job": {"interval": "2s"}},
+        settings={"holder_timeout": 6},
+        job_code=LONG,
+    )
     cut_off = fleet.start("cut", env={"SCHEDULER_DATABASE_URL": proxy.url(database_url)})
     try:
         fleet.wait_ready()
@@ -194,10 +207,14 @@ def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
 
 
 def _cluster() -> list[str] | None:
-    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster") or not Path("/etc/postgresql").is_dir():
+    """The command that restarts the local Debian cluster, when this user may run it."""
+    etc = Path("/etc/postgresql")
+    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster") or not etc.is_dir():
         return None
-    versions = sorted(p.name for p in Path("/etc/postgresql").iterdir())
-    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main"] if versions else None
+    versions = sorted(p.name for p in etc.iterdir())
+    if not versions:
+        return None
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main"]
 
 
 def test_replicas_survive_a_database_restart(tmp_path, database_url, pg_server):
@@ -230,7 +247,8 @@ def test_catch_up_latest_runs_the_tick_missed_while_the_fleet_was_down(tmp_path,
     anchor = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=10)
     schedule = {"interval": "1h", "start": anchor.isoformat(), "misfire_grace": "1m"}
     fleet = Fleet(
-        tmp_path, database_url,
+        tmp_path,
+        database_url,
         {"quick": {**schedule, "catch_up": "latest"}, "long_job": schedule},
         job_code=QUICK + LONG,
     )

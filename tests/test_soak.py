@@ -32,14 +32,16 @@ from tests.support import Fleet, parse_tick, whole_seconds
 pytestmark = [pytest.mark.soak, pytest.mark.fleet]
 
 QUICK_JOBS = 6
-JOBS = "\n".join(
-    f'''
+JOBS = (
+    "\n".join(
+        f"""
 @job(key={500 + i})
 def quick_{i}(ctx: RunContext) -> None:
     exclusive(ctx, 0.001)
-'''
-    for i in range(QUICK_JOBS)
-) + '''
+"""
+        for i in range(QUICK_JOBS)
+    )
+    + """
 import random as _random
 
 @job(key=520)
@@ -50,7 +52,8 @@ def wobbly_a(ctx: RunContext) -> None:
 @job(key=521)
 def wobbly_b(ctx: RunContext) -> None:
     exclusive(ctx, _random.uniform(0, 1.5), until_stopping=False)
-'''
+"""
+)
 NAMES = [f"quick_{i}" for i in range(QUICK_JOBS)] + ["wobbly_a", "wobbly_b"]
 REPLICAS = ("s1", "s2", "s3")
 CALM_S = 35  # after the chaos: sweeps record what was missed
@@ -62,7 +65,9 @@ def test_soak(tmp_path, database_url):
     rng = random.Random(int(os.environ.get("SOAK_SEED", str(int(time.time())))))
     schedules = {name: {"interval": "1s"} for name in NAMES}
     fleet = Fleet(
-        tmp_path, database_url, schedules,
+        tmp_path,
+        database_url,
+        schedules,
         settings={"holder_timeout": 6, "misfire_grace": 5, "shutdown_grace": 5},
         job_code=JOBS,
     )
@@ -153,8 +158,15 @@ def _report(fleet: Fleet, start: datetime, end: datetime, faults: Counter[str]) 
                 outcome[status] += 1
                 if status == "crashed":
                     row = ledger[(job, tick)]
-                    cut_down.append((job, tick.isoformat(), row["instance"],
-                                     str(row["started_at"]), str(row["finished_at"])))
+                    cut_down.append(
+                        (
+                            job,
+                            tick.isoformat(),
+                            row["instance"],
+                            str(row["started_at"]),
+                            str(row["finished_at"]),
+                        )
+                    )
             else:
                 unexplained.append((job, tick.isoformat(), status))
     return {
