@@ -1,10 +1,8 @@
-"""Deployment checks against PostgreSQL: what `scheduler check` reports and `run` insists on.
+"""Deployment checks against PostgreSQL: what `scheduler check` reports.
 
 Each check returns a line for the report; `fatal` ones make `check` exit 2.
-The pooler check matters most: advisory locks belong to a server session,
-and a pooler in transaction or statement mode hands each transaction to
-whichever server session is free, so a lock would be taken on one session
-and "released" on another.
+The pooler check matters most (see `session_is_kept`); `scheduler run`
+insists on it too.
 """
 
 from __future__ import annotations
@@ -14,17 +12,10 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from scheduler.backends.postgres import connect_args, redact
-from scheduler.errors import PoolerError
+from scheduler.backends.postgres import POOLER_MESSAGE, connect_args, redact, session_is_kept
+from scheduler.errors import one_line
 
 MIN_SERVER_VERSION = 140000  # idle_session_timeout arrived in PostgreSQL 14
-
-POOLER_MESSAGE = (
-    "the database connection does not keep one server session across transactions: "
-    "a pooler such as PgBouncer in transaction or statement mode sits between this "
-    "replica and PostgreSQL. Advisory locks need a session: set PgBouncer's "
-    "pool_mode = session for this database, or connect to PostgreSQL directly."
-)
 
 
 @dataclass(frozen=True)
@@ -43,37 +34,6 @@ def _conninfo(url: str, instance: str) -> dict[str, object]:
 
 def _plain_url(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
-def session_is_kept(url: str, instance: str) -> bool:
-    """Does a session lock survive from one transaction to the next?
-
-    Two client connections take turns; in session mode each keeps its own
-    server backend (its pid never changes, and never equals the other's). A
-    transaction-mode pooler hands the same few backends to both.
-    """
-    args = _conninfo(url, instance)
-    with (
-        psycopg.connect(_plain_url(url), autocommit=True, **args) as first,  # type: ignore[arg-type]
-        psycopg.connect(_plain_url(url), autocommit=True, **args) as second,  # type: ignore[arg-type]
-    ):
-        pids_first, pids_second = set(), set()
-        for _ in range(3):
-            pids_first.add(_pid(first))
-            pids_second.add(_pid(second))
-        return len(pids_first) == 1 and len(pids_second) == 1 and not pids_first & pids_second
-
-
-def _pid(conn: psycopg.Connection) -> int:  # type: ignore[type-arg]
-    row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def require_session_pooling(url: str, instance: str) -> None:
-    """`scheduler run` refuses to start behind a transaction-mode pooler."""
-    if not session_is_kept(url, instance):
-        raise PoolerError(f"{redact(url)}: {POOLER_MESSAGE}")
 
 
 def database_checks(url: str, instance: str) -> list[Check]:
@@ -120,8 +80,8 @@ def database_checks(url: str, instance: str) -> list[Check]:
         )
     try:
         kept = session_is_kept(url, instance)
-    except psycopg.Error as exc:
-        checks.append(Check("session pooling", False, str(exc).strip().splitlines()[0]))
+    except Exception as exc:
+        checks.append(Check("session pooling", False, one_line(exc)))
     else:
         checks.append(
             Check(

@@ -108,17 +108,6 @@ def _run(config: Config, catalog: Catalog) -> int:
             "with SCHEDULER_DATABASE_URL=postgresql://...",
             embedded_path(settings),
         )
-    else:
-        from scheduler.checks import require_session_pooling
-
-        try:
-            require_session_pooling(
-                settings.database_url.get_secret_value(), settings.instance_name
-            )
-        except ConfigError:
-            raise
-        except Exception as exc:  # unreachable now: the daemon waits for it
-            logging.getLogger("scheduler").warning("cannot check the pooling mode yet: %s", exc)
     return Daemon(config, catalog).run()
 
 

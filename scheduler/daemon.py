@@ -31,8 +31,10 @@ from scheduler.config import Config
 from scheduler.errors import one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
+from scheduler.http_server import HealthServer
 from scheduler.logs import RunLog
 from scheduler.metrics import Metrics
+from scheduler.pings import Pings
 from scheduler.schedules import ticks_between
 
 log = logging.getLogger("scheduler.daemon")
@@ -120,7 +122,14 @@ class Daemon:
             else None
         )
         alerts = Alerts(self.settings.instance_name, self.webhook, on_alert=self.metrics.alert)
-        self.listeners: list[events.Listener] = [RunLog(), self.metrics, alerts, *listeners]
+        self.pings = Pings()
+        self.listeners: list[events.Listener] = [
+            RunLog(),
+            self.metrics,
+            alerts,
+            self.pings,
+            *listeners,
+        ]
         self.gate = Gate(
             self.backend,
             instance=self.settings.instance_name,
@@ -132,13 +141,24 @@ class Daemon:
             self.backend, catalog, self.settings, on_streaks=self.metrics.streaks
         )
         self.scheduler = build_scheduler(catalog, self.gate)
-        self.loop_alive = False
+        self.http = (
+            HealthServer(
+                self.settings.http_host,
+                self.settings.http_port,
+                live=self.live,
+                ready=self.ready,
+                metrics=self.metrics.render,
+            )
+            if self.settings.http_port
+            else None
+        )
 
     def prepare(self) -> bool:
         """Create or migrate the schema; waits for the database rather than exiting."""
         backoff = Backoff(first=0.5, cap=5.0)
         while not self.stop_requested.is_set():
             try:
+                self.backend.verify()  # a PoolerError ends the start-up: exit 2
                 found = self.backend.migrate()
                 self.housekeeping.track_jobs()
             except Unavailable as exc:
@@ -162,12 +182,13 @@ class Daemon:
             len(self.catalog.scheduled),
             self.backend.name,
         )
+        if self.http is not None:
+            self.http.start()  # /healthz answers while we wait for the database
         if not self.prepare():
-            return 0
+            return self._close()
         self.gate.start()
         self.housekeeping.start()
         self.scheduler.start()
-        self.loop_alive = True
         catch_up(self.catalog, self.gate, datetime.now(UTC))
         self.stop_requested.wait()
         return self.shutdown()
@@ -179,16 +200,32 @@ class Daemon:
             ", ".join(self.gate.running_jobs()) or "no running job",
         )
         self.scheduler.shutdown(wait=False)
-        self.loop_alive = False
         self.housekeeping.stop()
         abandoned = self.gate.stop(self.settings.shutdown_grace)
-        if self.webhook is not None:
-            self.webhook.close()
+        self._close()
         if abandoned:
             log.error("gave up waiting for %s; recorded crashed", ", ".join(abandoned))
             os._exit(0)  # their threads cannot be stopped; the locks are already released
         log.info("stopped cleanly; every lock released")
         return 0
+
+    def _close(self) -> int:
+        if self.webhook is not None:
+            self.webhook.close()
+        self.pings.close()
+        if self.http is not None:
+            self.http.stop()
+        return 0
+
+    def live(self) -> bool:
+        """/healthz: the daemon's loop turns: still waiting for the database, or scheduling."""
+        if self.stop_requested.is_set():
+            return False
+        return not self.scheduler.running or self.gate.alive()
+
+    def ready(self) -> bool:
+        """/readyz: jobs loaded, the ledger ready, and the lock session up."""
+        return self.scheduler.running and self.gate.connected
 
     def _install_signals(self) -> None:
         handler: Callable[[int, FrameType | None], None] = self._on_signal

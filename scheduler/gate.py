@@ -167,6 +167,7 @@ class Gate:
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
+        self._last_loop = monotonic()
 
     # -- the outside world -----------------------------------------------------------
 
@@ -211,6 +212,12 @@ class Gate:
     @property
     def connected(self) -> bool:
         return self._connected
+
+    def alive(self) -> bool:
+        """The dispatcher loop turns: it wakes at least every heartbeat or reconnect delay."""
+        thread = self._thread
+        stalled = self.monotonic() - self._last_loop > 2 * self.holder_timeout + 10
+        return thread is not None and thread.is_alive() and not stalled
 
     def stop(self, grace: float) -> list[str]:
         """Start nothing new, tell runs to stop, wait up to `grace`, release every lock.
@@ -258,6 +265,7 @@ class Gate:
         selector.register(self._wake_r, selectors.EVENT_READ)
         watched: tuple[int, int] | None = None  # (session, socket) being watched
         while not self._stopped.is_set():
+            self._last_loop = self.monotonic()
             fd = self.backend.fileno() if self._connected else None
             current = (self._sessions, fd) if fd is not None else None
             if current != watched:

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from scheduler import events
 
 DURATION_BUCKETS = (0.005, 0.05, 0.25, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
+disable_created_metrics()  # `_created` series only add noise to every scrape
+
 LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60)
 
 

@@ -133,6 +133,9 @@ class Backend(Protocol):
     def ledger_engine(self) -> Engine:
         """SQLAlchemy engine for ledger reads and chores."""
 
+    def verify(self) -> None:
+        """Refuse to run where locks cannot work (raises PoolerError, or Unavailable)."""
+
     def migrate(self) -> int:
         """Create or migrate the schema; returns the version found."""
 

@@ -175,6 +175,9 @@ class EmbeddedBackend:
     def connected(self) -> bool:
         return self._conn is not None
 
+    def verify(self) -> None:
+        return None  # no pooler between us and a file
+
     def migrate(self) -> int:
         self.database.parent.mkdir(parents=True, exist_ok=True)
         with self.engine.connect() as conn:

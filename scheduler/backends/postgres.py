@@ -41,11 +41,18 @@ from scheduler.backends.base import (
     Unavailable,
 )
 from scheduler.backends.schema import migrate
-from scheduler.errors import one_line
+from scheduler.errors import PoolerError, one_line
 
 log = logging.getLogger("scheduler.postgres")
 
 PRESENCE_KEY = 0  # every live replica holds (lock_namespace, 0) in share mode
+
+POOLER_MESSAGE = (
+    "the database connection does not keep one server session across transactions: "
+    "a pooler such as PgBouncer in transaction or statement mode sits between this "
+    "replica and PostgreSQL. Advisory locks need a session: set PgBouncer's "
+    "pool_mode = session for this database, or connect to PostgreSQL directly."
+)
 
 _CLAIM = text(
     "SELECT * FROM scheduler_claim(:ns, :instance, CAST(:keys AS integer[]),"
@@ -92,6 +99,32 @@ def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, An
         "tcp_user_timeout": int(holder_timeout * 1000),
     }
     return {k: v for k, v in wanted.items() if k not in query}
+
+
+def session_is_kept(url: str, instance: str) -> bool:
+    """Does each connection keep its own server session from one transaction to the next?
+
+    Advisory locks belong to a server session; a pooler in transaction or
+    statement mode hands each transaction to whichever server session is
+    free, so a lock would be taken on one session and "released" on another.
+    Two connections take turns asking for their backend's pid: in session
+    mode each keeps its own (never the other's); a transaction-mode pooler
+    hands the same few backends to both.
+    """
+    args = connect_args(instance, 30.0, url)
+    args["connect_timeout"] = 5
+    plain = sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+    with (
+        psycopg.connect(plain, autocommit=True, **args) as first,
+        psycopg.connect(plain, autocommit=True, **args) as second,
+    ):
+        pids: tuple[set[int], set[int]] = (set(), set())
+        for _ in range(3):
+            for conn, seen in zip((first, second), pids, strict=True):
+                row = conn.execute("SELECT pg_backend_pid()").fetchone()
+                assert row is not None
+                seen.add(int(row[0]))
+    return len(pids[0]) == 1 and len(pids[1]) == 1 and not pids[0] & pids[1]
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -192,6 +225,15 @@ class PostgresBackend:
     def migrate(self) -> int:
         with self.ledger_engine.connect() as conn:
             return migrate(conn, self.namespace)
+
+    def verify(self) -> None:
+        """Refuse a pooler that does not keep sessions (raises PoolerError)."""
+        try:
+            kept = session_is_kept(self.url, self.instance)
+        except psycopg.OperationalError as exc:
+            raise Unavailable(one_line(exc)) from None
+        if not kept:
+            raise PoolerError(f"{redact(self.url)}: {POOLER_MESSAGE}")
 
     @contextmanager
     def _session(self) -> Iterator[Connection]:
