@@ -29,6 +29,7 @@ from sqlalchemy import (
     TypeDecorator,
     delete,
     desc,
+    false,
     select,
     text,
     tuple_,
@@ -85,7 +86,7 @@ ticks = Table(
     Column("started_at", UTCDateTime()),
     Column("finished_at", UTCDateTime()),
     Column("error", Text),
-    Column("manual", Boolean, nullable=False, server_default="false"),
+    Column("manual", Boolean, nullable=False, server_default=false()),
     CheckConstraint(
         "status IN ('running', 'succeeded', 'failed', 'skipped', 'crashed', 'missed')",
         name="scheduler_ticks_status",
@@ -105,9 +106,9 @@ jobs = Table(
     Column("job_key", Integer, primary_key=True),
     Column("job_name", Text, nullable=False),
     Column("consecutive_skips", Integer, nullable=False, server_default="0"),
-    Column("skip_alerted", Boolean, nullable=False, server_default="false"),
+    Column("skip_alerted", Boolean, nullable=False, server_default=false()),
     Column("consecutive_failures", Integer, nullable=False, server_default="0"),
-    Column("fail_alerted", Boolean, nullable=False, server_default="false"),
+    Column("fail_alerted", Boolean, nullable=False, server_default=false()),
     Column("schedule", Text),
     Column("tracked_since", UTCDateTime(), nullable=False),
 )

@@ -52,12 +52,23 @@ def _run_fleet(fleet: Fleet, offsets: dict[str, str | None]) -> list[dict]:
     overlaps = [e for e in evidence if e.get("overlap")]
     assert not overlaps, f"runs of one job overlapped: {overlaps}"
     # The ledger agrees with the evidence: one row per tick, all succeeded.
-    rows = fleet.ledger()
+    rows = fleet.ledger() if fleet.database_url else _sqlite_rows(fleet)
     keys = [(r["job_key"], r["scheduled_at"]) for r in rows]
     assert len(keys) == len(set(keys))
     in_window = [r for r in rows if start <= r["scheduled_at"] <= end]
     assert {r["status"] for r in in_window} == {"succeeded"}, in_window
     return evidence
+
+
+def _sqlite_rows(fleet: Fleet) -> list[dict]:
+    import sqlite3
+
+    with sqlite3.connect(fleet.root / "scheduler.db") as conn:
+        conn.row_factory = sqlite3.Row
+        rows = [dict(r) for r in conn.execute("SELECT * FROM scheduler_ticks")]
+    for row in rows:
+        row["scheduled_at"] = datetime.fromisoformat(row["scheduled_at"]).replace(tzinfo=UTC)
+    return rows
 
 
 def test_three_replicas_run_each_tick_once(tmp_path, database_url):
@@ -79,3 +90,12 @@ def test_skewed_clocks_still_run_each_tick_once(tmp_path, database_url):
     # lock alone would have let them run every tick again.
     won = Counter(e["instance"] for e in evidence if e.get("event") == "start")
     assert won["ahead"] > sum(won.values()) / 2, won
+
+
+def test_embedded_mode_two_replicas_in_one_folder_run_each_tick_once(tmp_path):
+    """No database configured: SQLite and file locks coordinate the processes of one host."""
+    fleet = Fleet(tmp_path, None, SCHEDULES, job_code=JOBS)
+    evidence = _run_fleet(fleet, {"r1": None, "r2": None})
+    assert "coordinates the processes of this host only" in fleet.logs()
+    assert (tmp_path / "scheduler.db").exists()
+    assert len(evidence) >= 20

@@ -194,6 +194,27 @@ def test_consecutive_failures_alert_once_and_recover(replicas):
     assert not ok_again.recovered
 
 
+def test_a_tracked_job_starts_with_no_streaks(replicas):
+    """The daemon registers every job at start-up; its first runs report no recovery."""
+    from scheduler import ledger
+
+    a = replicas("a")
+    with a.ledger_engine.begin() as conn:
+        ledger.track_jobs(conn, [(KEY, "job", "every 1s")], datetime.now(UTC))
+        conn.execute(
+            ledger.ticks.insert().values(
+                job_key=KEY, scheduled_at=tick(25), job_name="job", status="missed"
+            )
+        )
+    run = claim(a, tick(1))
+    assert run.outcome is Outcome.RUN and not run.recovered and run.consecutive_skips == 0
+    done = finish(a, run)
+    assert not done.recovered and done.consecutive_failures == 0
+    with a.ledger_engine.connect() as conn:
+        rows = ledger.history(conn, KEY, 10)
+    assert [r.manual for r in rows] == [False, False]
+
+
 def test_run_ids_strictly_grow(replicas):
     a, b = replicas("a"), replicas("b")
     base = tick(10)
