@@ -21,6 +21,8 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from sqlalchemy import Connection
+
 from scheduler import ledger
 from scheduler.catalog import Catalog
 from scheduler.config import Settings
@@ -78,14 +80,22 @@ class Housekeeping:
                 log.warning("housekeeping failed (will retry): %s", one_line(exc))
 
     def run_once(self) -> dict[str, int]:
-        """Do whichever chores this replica wins; returns what was done."""
+        """Do whichever chores this replica wins; returns what was done.
+
+        An idle replica spends one transaction per period here: the election,
+        the streaks for the metrics, and (if it won) the sweeps, together.
+        """
         done: dict[str, int] = {}
         engine = self.backend.ledger_engine
-        with engine.begin() as conn:  # one transaction per period from an idle replica
+        with engine.begin() as conn:
             now = self.backend.now_expression()
             sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
             prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
-            states = ledger.job_states(conn) if self.on_streaks else {}
+            states = ledger.job_states(conn)
+            if sweep is not None:
+                previous, now = sweep
+                done["crashed"] = self.sweep_crashed(conn, now)
+                done["missed"] = self.sweep_missed(conn, states, previous, now)
         if self.on_streaks:
             names = {job.key: job.name for job in self.catalog}
             self.on_streaks(
@@ -95,10 +105,6 @@ class Housekeeping:
                     if key in names
                 }
             )
-        if sweep is not None:
-            previous, now = sweep
-            done["crashed"] = self.sweep_crashed(now)
-            done["missed"] = self.sweep_missed(previous, now)
         if prune is not None:
             cutoff = prune[1] - timedelta(days=self.settings.retention_days)
             done["pruned"] = 0
@@ -110,44 +116,48 @@ class Housekeeping:
                     break
         return done
 
-    def sweep_crashed(self, now: datetime) -> int:
+    def sweep_crashed(self, conn: Connection, now: datetime) -> int:
+        """Running rows whose job lock nobody holds: their replica is gone."""
+        stale = ledger.running(conn)
+        if not stale:
+            return 0
+        free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
         marked = 0
-        with self.backend.ledger_engine.begin() as conn:
-            stale = ledger.running(conn)
-            if not stale:
-                return 0
-            free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
-            for row in stale:
-                if row.key in free and row.run_id is not None:
-                    marked += ledger.mark_crashed(conn, row.key, row.run_id, CRASHED, now)
+        for row in stale:
+            if row.key in free and row.run_id is not None:
+                marked += ledger.mark_crashed(conn, row.key, row.run_id, CRASHED, now)
         if marked:
             log.warning("marked %d run(s) crashed: their replica is gone", marked)
         return marked
 
-    def sweep_missed(self, previous: datetime, now: datetime) -> int:
+    def sweep_missed(
+        self,
+        conn: Connection,
+        states: dict[int, dict[str, object]],
+        previous: datetime,
+        now: datetime,
+    ) -> int:
         """Ticks of enabled jobs that nobody claimed in time, since the previous sweep.
 
         Each sweep looks at the ticks that left their grace since the previous
         sweep (or since the job was tracked, bounded per job), so its cost
         follows the number of ticks, not the size of the ledger.
         """
-        with self.backend.ledger_engine.begin() as conn:
-            states = ledger.job_states(conn)
-            expected = self._expected(states, previous, now)
-            if not expected:
-                return 0
-            have = ledger.existing_ticks(conn, expected)
-            recorded = 0
-            by_job: dict[int, list[datetime]] = {}
-            for key, tick in expected:
-                if (key, tick) not in have:
-                    by_job.setdefault(key, []).append(tick)
-            for key, missing in by_job.items():
-                job = self.catalog.by_key(key)
-                assert job is not None
-                recorded += ledger.record_missed(
-                    conn, key, job.name, self.settings.instance_name, missing
-                )
+        expected = self._expected(states, previous, now)
+        if not expected:
+            return 0
+        have = ledger.existing_ticks(conn, expected)
+        by_job: dict[int, list[datetime]] = {}
+        for key, tick in expected:
+            if (key, tick) not in have:
+                by_job.setdefault(key, []).append(tick)
+        recorded = 0
+        for key, missing in by_job.items():
+            job = self.catalog.by_key(key)
+            assert job is not None
+            recorded += ledger.record_missed(
+                conn, key, job.name, self.settings.instance_name, missing
+            )
         if recorded:
             log.warning("recorded %d missed tick(s): no replica claimed them in time", recorded)
         return recorded

@@ -42,6 +42,11 @@ def backend_factory(request, tmp_path):
         backend.close()
 
 
+def sweep_missed(keeper: Housekeeping, previous: datetime, now: datetime) -> int:
+    with keeper.backend.ledger_engine.begin() as conn:
+        return keeper.sweep_missed(conn, ledger.job_states(conn), previous, now)
+
+
 def settings(**values) -> Settings:
     return Settings(instance_name="hk", **values)
 
@@ -68,9 +73,11 @@ def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
     )
     assert dead.claim([request], "dead")[0].outcome is Outcome.RUN
     keeper = Housekeeping(alive, Catalog((job,)), settings())
-    assert keeper.sweep_crashed(datetime.now(UTC)) == 0  # its lock is still held
+    with alive.ledger_engine.begin() as conn:
+        assert keeper.sweep_crashed(conn, datetime.now(UTC)) == 0  # its lock is still held
     dead.close()  # the replica dies; its next tick is hours away
-    assert keeper.sweep_crashed(datetime.now(UTC)) == 1
+    with alive.ledger_engine.begin() as conn:
+        assert keeper.sweep_crashed(conn, datetime.now(UTC)) == 1
     with alive.ledger_engine.connect() as conn:
         assert ledger.latest(conn, 611).status == "crashed"
 
@@ -90,14 +97,14 @@ def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
                 job_key=621, scheduled_at=ran, job_name="lonely", status="succeeded"
             )
         )
-    recorded = keeper.sweep_missed(now - timedelta(seconds=40), now)
+    recorded = sweep_missed(keeper, now - timedelta(seconds=40), now)
     with backend.ledger_engine.connect() as conn:
         rows = ledger.history(conn, 621, 1000)
     missed = [r.scheduled_at for r in rows if r.status == "missed"]
     assert recorded == len(missed) > 0
     assert ran not in missed  # a tick that has a row keeps it
     assert max(missed) <= cutoff  # a tick still within its grace may yet be claimed
-    assert keeper.sweep_missed(now - timedelta(seconds=40), now) == 0  # idempotent
+    assert sweep_missed(keeper, now - timedelta(seconds=40), now) == 0  # idempotent
 
 
 def test_missed_ticks_are_bounded_per_job(backend_factory):
@@ -107,7 +114,7 @@ def test_missed_ticks_are_bounded_per_job(backend_factory):
     now = datetime.now(UTC)
     with backend.ledger_engine.begin() as conn:
         ledger.track_jobs(conn, [(631, "long_gone", "every 1s")], now - timedelta(days=3))
-    assert keeper.sweep_missed(now - timedelta(days=3), now) == 100
+    assert sweep_missed(keeper, now - timedelta(days=3), now) == 100
 
 
 def test_retention_prunes_old_finished_rows_only(backend_factory):
