@@ -31,9 +31,7 @@ from scheduler.config import Config
 from scheduler.errors import one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
-from scheduler.http_server import HealthServer
 from scheduler.logs import RunLog
-from scheduler.metrics import Metrics
 from scheduler.pings import Pings
 from scheduler.schedules import ticks_between
 
@@ -112,24 +110,28 @@ class Daemon:
         self.backend = backend or open_backend(self.settings)
         self.stop_requested = threading.Event()
         self.signals = 0
-        self.metrics = Metrics([job.name for job in catalog])
+        # Metrics exist to be scraped: without an HTTP port, none are kept.
+        self.metrics = None
+        if self.settings.http_port:
+            from scheduler.metrics import Metrics
+
+            self.metrics = Metrics([job.name for job in catalog])
         self.webhook = (
             Webhook(
                 self.settings.alert_webhook_url.get_secret_value(),
-                on_result=self.metrics.delivery,
+                on_result=self.metrics.delivery if self.metrics else None,
             )
             if self.settings.alert_webhook_url
             else None
         )
-        alerts = Alerts(self.settings.instance_name, self.webhook, on_alert=self.metrics.alert)
+        alerts = Alerts(
+            self.settings.instance_name,
+            self.webhook,
+            on_alert=self.metrics.alert if self.metrics else None,
+        )
         self.pings = Pings()
-        self.listeners: list[events.Listener] = [
-            RunLog(),
-            self.metrics,
-            alerts,
-            self.pings,
-            *listeners,
-        ]
+        observers = [RunLog(), alerts, self.pings, *([self.metrics] if self.metrics else [])]
+        self.listeners: list[events.Listener] = [*observers, *listeners]
         self.gate = Gate(
             self.backend,
             instance=self.settings.instance_name,
@@ -138,20 +140,24 @@ class Daemon:
             listeners=self.listeners,
         )
         self.housekeeping = Housekeeping(
-            self.backend, catalog, self.settings, on_streaks=self.metrics.streaks
+            self.backend,
+            catalog,
+            self.settings,
+            on_streaks=self.metrics.streaks if self.metrics else None,
         )
         self.scheduler = build_scheduler(catalog, self.gate)
-        self.http = (
-            HealthServer(
+        self.http = None
+        if self.settings.http_port:
+            from scheduler.http_server import HealthServer
+
+            assert self.metrics is not None
+            self.http = HealthServer(
                 self.settings.http_host,
                 self.settings.http_port,
                 live=self.live,
                 ready=self.ready,
                 metrics=self.metrics.render,
             )
-            if self.settings.http_port
-            else None
-        )
 
     def prepare(self) -> bool:
         """Create or migrate the schema; waits for the database rather than exiting."""

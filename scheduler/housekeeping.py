@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("scheduler.housekeeping")
 
-SWEEP_EVERY = 20.0  # seconds between sweeps, fleet-wide
+SWEEP_EVERY = 30.0  # seconds between sweeps, fleet-wide
 PRUNE_EVERY = 3600.0
 MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight

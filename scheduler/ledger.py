@@ -35,8 +35,6 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Dialect
 
 STATUSES = ("running", "succeeded", "failed", "skipped", "crashed", "missed")
@@ -192,6 +190,15 @@ def _row(row: object) -> TickRow:
     )
 
 
+def upsert(conn: Connection, table: Table) -> Any:
+    """The dialect's INSERT, which knows ON CONFLICT (imported only for the dialect in use)."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(table)
+
+
 def history(conn: Connection, key: int | None, limit: int) -> list[TickRow]:
     """Most recent ticks first; served by the primary key or the scheduled_at index."""
     query = select(ticks)
@@ -226,9 +233,8 @@ def track_jobs(conn: Connection, entries: list[tuple[int, str, str]], now: datet
     """
     if not entries:
         return
-    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     for key, name, schedule in entries:
-        statement = dialect_insert(jobs).values(
+        statement = upsert(conn, jobs).values(
             job_key=key, job_name=name, schedule=schedule, tracked_since=now
         )
         statement = statement.on_conflict_do_update(
@@ -294,9 +300,8 @@ def record_missed(
     """Rows for ticks nobody claimed; a tick that has a row keeps it."""
     if not scheduled:
         return 0
-    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     statement = (
-        dialect_insert(ticks)
+        upsert(conn, ticks)
         .values(
             [
                 {

@@ -7,49 +7,73 @@ Runs in its own virtual environment (APScheduler 4 cannot share one with the
 project, which needs APScheduler 3):
 
     python3 -m venv bench/.venv-aps4 && bench/.venv-aps4/bin/pip install -q \
-        'apscheduler==4.0.0a6' 'sqlalchemy>=2,<2.2' 'psycopg[binary]>=3.1'
+        'apscheduler==4.0.0a6' 'sqlalchemy[asyncio]>=2,<2.2' 'psycopg[binary]>=3.1' sniffio
 
-APScheduler 4 coordinates a fleet itself, as its documentation describes for
-several schedulers sharing one data store: the schedules live in PostgreSQL,
-a scheduler leases due schedules to turn their ticks into job rows, any
-scheduler leases job rows to run them, and events (new schedules, released
-jobs) travel by LISTEN/NOTIFY. Every process adds the same schedules job_0 ..
-job_{N-1} under fixed ids with ConflictPolicy.do_nothing: the first process
-to insert a schedule wins and the others keep it untouched (`replace` would
-overwrite a schedule another process may be firing, rewinding its next fire
-time). Each task keeps APScheduler's default of one running job at a time
-across the fleet; misfire_grace_time is 1 s, coalescing `latest`.
+(sqlalchemy[asyncio] brings greenlet, which the async engine needs; sniffio
+is imported by the SQLAlchemy data store but no longer comes with anyio.)
 
-Ticks are every whole second, the grid of an interval anchored at the Unix
-epoch; the trigger starts at the next whole second rather than at the epoch
-itself, because APScheduler 4 walks a schedule's trigger one tick at a time
-up to now, which from 1970 on a 1 s interval would take hours.
+APScheduler 4 coordinates the fleet itself, as documented for several
+schedulers sharing one data store: schedules and jobs are rows in
+PostgreSQL, leased by whichever scheduler processes them, and events travel
+by LISTEN/NOTIFY. Every process adds the same schedules job_0 .. job_{N-1}
+with ConflictPolicy.do_nothing: the first insert wins and later processes
+leave it alone (`replace` would rewrite a live schedule's trigger state at
+every start). Each job is its own task, since max_running_jobs (1, the
+default) counts per task: a shared task would let only one of the N jobs run
+at a time. Schedules are added by task id because add_schedule() given a
+callable resets its task to the defaults (async executor, no grace). Jobs
+run in the thread pool; misfire_grace_time 1 s, coalescing `latest`.
 
-Every connection (SQLAlchemy pool and both broker connections) carries
-application_name NAME, which is also the scheduler's identity (so NAMEs must
-be unique). The tables are APScheduler's own, in the database's default
-schema. --key-base is accepted for a common command line and not used.
-SIGTERM or SIGINT ends the process with status 0.
+Ticks are the whole seconds, as with an interval anchored at the Unix epoch,
+but the trigger starts at the next whole second: APScheduler 4 steps a
+trigger one tick at a time up to now, which from 1970 would take hours.
+
+The only addition to APScheduler is an advisory lock that serializes
+start-ups (see startup_lock). Every connection carries application_name
+NAME, which is also the scheduler identity, so NAMEs must be unique. Tables
+are APScheduler's own, in the default schema. --key-base is accepted and
+unused.
+
+SIGTERM or SIGINT ends the process with status 0. APScheduler 4.0.0a6 does
+not give its leases back when it stops (or is killed): schedules it was
+processing stay leased for 30 s, fired by no one; a job still running
+completes but its release is cancelled, so its task's running-job count
+stays at 1 and the job runs nowhere until the lease expires and a clean-up
+runs (at a scheduler's start, then every 15 minutes). A restart under the
+same NAME reclaims both at once.
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
+
+import signal
+import sys
+
+# A signal during the slow imports below must end the process cleanly too.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
 
 import argparse
 import asyncio
 import json
 import logging
 import math
-import signal
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from datetime import UTC, datetime
 
+import psycopg
 from apscheduler import AsyncScheduler, CoalescePolicy, ConflictPolicy, current_job
 from apscheduler.datastores.sqlalchemy import SQLAlchemyDataStore
 from apscheduler.eventbrokers.psycopg import PsycopgEventBroker
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
+
+# Single-bigint advisory lock key held while a process starts ("APS4").
+STARTUP_LOCK = 0x41505334
 
 
 class Replica:
@@ -99,35 +123,71 @@ def urls(database_url: str) -> tuple[str, str]:
     )
 
 
+@asynccontextmanager
+async def startup_lock(url: str, instance: str) -> AsyncIterator[None]:
+    """Serialize start-ups: APScheduler 4.0.0a6 creates its tables and enum types unguarded.
+
+    Two processes starting together on an empty database both run CREATE TYPE,
+    and the loser dies with UniqueViolation (the store retries only
+    connection errors). Holding a session advisory lock while the scheduler
+    initializes its store and adds the schedules lets them start one by one.
+    """
+    async with await psycopg.AsyncConnection.connect(
+        url, application_name=instance, autocommit=True
+    ) as conn:
+        await conn.execute("SELECT pg_advisory_lock(%s::bigint)", (STARTUP_LOCK,))
+        yield
+
+
 async def serve(args: argparse.Namespace) -> None:
+    """Start, add the schedules, run until a signal; a signal during start-up cancels it."""
     engine_url, broker_url = urls(args.database_url)
-    engine = create_async_engine(engine_url, connect_args={"application_name": args.instance})
-    data_store = SQLAlchemyDataStore(engine)
-    event_broker = PsycopgEventBroker(broker_url, {"application_name": args.instance})
+    running = False
     stop = asyncio.Event()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+
+    def on_signal() -> None:
+        stop.set()
+        Replica.stopping.set()
+        if not running:
+            main_task.cancel()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        async with AsyncScheduler(data_store, event_broker, identity=args.instance) as scheduler:
-            await scheduler.configure_task(
-                run_job, job_executor="threadpool", misfire_grace_time=1
+        loop.add_signal_handler(signum, on_signal)
+
+    engine = create_async_engine(engine_url, connect_args={"application_name": args.instance})
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(engine.dispose)
+        async with startup_lock(broker_url, args.instance):
+            scheduler = await stack.enter_async_context(
+                AsyncScheduler(
+                    SQLAlchemyDataStore(engine),
+                    PsycopgEventBroker(broker_url, {"application_name": args.instance}),
+                    identity=args.instance,
+                )
             )
             first_tick = datetime.fromtimestamp(math.ceil(time.time()), UTC)
             for i in range(args.jobs):
+                await scheduler.configure_task(
+                    f"job_{i}",
+                    func=run_job,
+                    job_executor="threadpool",
+                    max_running_jobs=1,
+                    misfire_grace_time=1,
+                )
                 await scheduler.add_schedule(
-                    run_job,
+                    f"job_{i}",
                     IntervalTrigger(seconds=1, start_time=first_tick),
                     id=f"job_{i}",
                     coalesce=CoalescePolicy.latest,
                     misfire_grace_time=1,
                     conflict_policy=ConflictPolicy.do_nothing,
                 )
-            await scheduler.start_in_background()
-            await stop.wait()
-            Replica.stopping.set()
-    finally:
-        await engine.dispose()
+        await scheduler.start_in_background()
+        running = True
+        await stop.wait()
 
 
 def parse_args() -> argparse.Namespace:
@@ -147,7 +207,8 @@ def main() -> int:
     Replica.instance = args.instance
     Replica.evidence = args.evidence
     Replica.job_seconds = args.job_ms / 1000
-    asyncio.run(serve(args))
+    with suppress(asyncio.CancelledError):
+        asyncio.run(serve(args))
     return 0
 
 

@@ -19,13 +19,20 @@ carries application_name NAME. SIGTERM or SIGINT ends the process with
 status 0; a run in progress stops waiting at once.
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
+
+import signal
+import sys
+
+# A signal during the slow imports below must end the process cleanly too.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
 
 import argparse
 import concurrent.futures
 import json
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
