@@ -44,7 +44,7 @@ import select
 import selectors
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -66,6 +66,8 @@ from scheduler.context import RunContext
 from scheduler.runner import execute
 
 log = logging.getLogger("scheduler.gate")
+
+YIELDED_RETRY = 0.1  # seconds before trying a tick left to another replica's share
 
 Clock = Callable[[], datetime]
 Monotonic = Callable[[], float]
@@ -144,12 +146,14 @@ class Gate:
         self.monotonic = monotonic
 
         self._mutex = threading.Lock()
-        self._pending: dict[int, tuple[CatalogJob, datetime]] = {}  # newest tick per job
+        # The newest tick of each job waiting here, and when it may be tried.
+        self._pending: dict[int, tuple[CatalogJob, datetime, float]] = {}
         self._manual: list[tuple[CatalogJob, datetime, threading.Event, list[ManualResult]]] = []
         self._finished: list[Finish] = []
         self._runs: dict[int, Run] = {}  # job key -> run executing here
         self._manual_runs: dict[int, tuple[threading.Event, list[ManualResult]]] = {}
         self._accepting = True
+        self._bursts = 0  # APScheduler is submitting a burst of due ticks
         self._stopped = threading.Event()
 
         self._stepping = threading.Lock()  # held by the dispatcher for each step
@@ -184,8 +188,22 @@ class Gate:
             queued = self._pending.get(job.key)
             if queued is not None and queued[1] >= scheduled_at:
                 return
-            self._pending[job.key] = (job, scheduled_at)
+            self._pending[job.key] = (job, scheduled_at, 0.0)
+            if self._bursts:
+                return  # the end of the burst wakes the dispatcher once
         self._wake()
+
+    @contextlib.contextmanager
+    def burst(self) -> Iterator[None]:
+        """Ticks submitted inside are claimed together, once the burst is complete."""
+        with self._mutex:
+            self._bursts += 1
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self._bursts -= 1
+            self._wake()
 
     def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
         """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
@@ -292,8 +310,11 @@ class Gate:
         if now < self._paused_until:
             return min(heartbeat, self._paused_until - now)
         with self._mutex:
-            if self._finished or self._manual or (self._pending and self._free_slots() > 0):
+            if self._finished or self._manual:
                 return 0.0
+            if self._pending and self._free_slots() > 0 and not self._bursts:
+                ready = min(not_before for _, _, not_before in self._pending.values())
+                return min(heartbeat, max(0.0, ready - now))
         return heartbeat
 
     def step(self) -> None:
@@ -344,10 +365,16 @@ class Gate:
         return self.max_workers - len(self._runs)
 
     def _claim_pending(self) -> None:
+        """Claim every queued tick in one round trip, winning at most the free workers."""
         with self._mutex:
-            slots = self._free_slots()
+            if self._bursts or not self._accepting:
+                return  # the rest of the burst is on its way, or we are stopping
+            capacity = self._free_slots()
+            now = self.monotonic()
             batch: list[tuple[CatalogJob, datetime, Intent]] = []
-            for key, (job, tick) in list(self._pending.items()):
+            for key, (job, tick, not_before) in list(self._pending.items()):
+                if not_before > now:
+                    continue
                 run = self._runs.get(key)
                 if run is not None and run.generation != self._generation:
                     # A run here lost its lock and has not ended yet: it no longer
@@ -356,9 +383,8 @@ class Gate:
                     continue
                 if run is not None:
                     batch.append((job, tick, Intent.SKIP))
-                elif slots > 0:
+                elif capacity > 0:
                     batch.append((job, tick, Intent.RUN))
-                    slots -= 1
                 else:
                     continue  # waits for a free worker; another replica may take it
                 del self._pending[key]
@@ -376,7 +402,7 @@ class Gate:
             for job, tick, intent in batch
         ]
         try:
-            results = self._claim(requests)
+            results = self._claim(requests, capacity)
         except SessionLost:
             self._requeue(batch)
             raise
@@ -385,13 +411,32 @@ class Gate:
             self._requeue(batch)
             return
         jobs = {job.key: job for job, _, _ in batch}
+        # No free worker for these yet: they are tried again when one frees.
+        self._requeue(
+            [
+                (jobs[r.key], r.scheduled_at, Intent.RUN)
+                for r in results
+                if r.outcome is Outcome.DEFERRED
+            ]
+        )
+        # Another replica's share of the burst: tried again once anyone may take it.
+        self._requeue(
+            [
+                (jobs[r.key], r.scheduled_at, Intent.RUN)
+                for r in results
+                if r.outcome is Outcome.YIELDED
+            ],
+            not_before=self.monotonic() + YIELDED_RETRY,
+        )
         for result in results:
             self._claimed(jobs[result.key], result, manual=None)
 
-    def _claim(self, requests: list[ClaimRequest]) -> list[ClaimResult]:
+    def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
         """One round trip; a failed claim may leave locks it took (they outlive rollbacks)."""
         try:
-            results = self._round_trip(lambda: self.backend.claim(requests, self.instance))
+            results = self._round_trip(
+                lambda: self.backend.claim(requests, self.instance, capacity)
+            )
         except SessionLost:
             raise
         except Exception:
@@ -406,12 +451,16 @@ class Gate:
         assert isinstance(results, list)
         return results
 
-    def _requeue(self, batch: list[tuple[CatalogJob, datetime, Intent]]) -> None:
+    def _requeue(
+        self, batch: list[tuple[CatalogJob, datetime, Intent]], not_before: float = 0.0
+    ) -> None:
         with self._mutex:
+            if not self._accepting:
+                return  # stopping: these ticks are left to the other replicas
             for job, tick, _ in batch:
                 queued = self._pending.get(job.key)
                 if queued is None or queued[1] < tick:
-                    self._pending[job.key] = (job, tick)
+                    self._pending[job.key] = (job, tick, not_before)
 
     def _claim_manual(self) -> None:
         with self._mutex:
@@ -430,7 +479,7 @@ class Gate:
                 skip_threshold=job.skip_threshold,
             )
             try:
-                (result,) = self._claim([request])
+                (result,) = self._claim([request], capacity=1)
             except SessionLost:
                 with self._mutex:
                     self._manual.append((job, tick, done, out))
@@ -467,6 +516,11 @@ class Gate:
             self._emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))
 
     def _start_run(self, job: CatalogJob, result: ClaimResult, manual: bool) -> None:
+        """Hand the run to a worker at once; the worker reports its start.
+
+        The dispatcher's part is kept small: a burst of runs starts as fast as
+        workers take them, while each worker logs and reports its own start.
+        """
         assert result.run_id is not None
         ctx = RunContext(
             job_name=job.name,
@@ -487,25 +541,23 @@ class Gate:
         run = Run(job=job, ctx=ctx, generation=self._generation, started=self.monotonic())
         with self._mutex:
             self._runs[job.key] = run
-        started_at = result.started_at or self.clock()
-        self._emit(
-            events.RunStarted(
-                job=job.name,
-                key=job.key,
-                scheduled_at=result.scheduled_at,
-                run_id=result.run_id,
-                instance=self.instance,
-                lateness_s=(started_at - result.scheduled_at).total_seconds(),
-                manual=manual,
-                crashed=result.crashed,
-                skips_ended=result.consecutive_skips or 0,
-                skips_recovered=result.recovered,
-                ping_url=job.ping_url,
-            )
+        started = events.RunStarted(
+            job=job.name,
+            key=job.key,
+            scheduled_at=result.scheduled_at,
+            run_id=result.run_id,
+            instance=self.instance,
+            lateness_s=((result.started_at or self.clock()) - result.scheduled_at).total_seconds(),
+            manual=manual,
+            crashed=result.crashed,
+            skips_ended=result.consecutive_skips or 0,
+            skips_recovered=result.recovered,
+            ping_url=job.ping_url,
         )
-        self._pool.submit(self._execute, run)
+        self._pool.submit(self._execute, run, started)
 
-    def _execute(self, run: Run) -> None:
+    def _execute(self, run: Run, started: events.RunStarted) -> None:
+        self._emit(started)  # listeners are thread-safe
         status, error = execute(run.job.spec, run.ctx)
         self._finished_run(run, status, error)
 
@@ -525,6 +577,7 @@ class Gate:
             batch, self._finished = self._finished, []
         if not batch:
             return
+        batch.sort(key=lambda f: f.run.job.key)  # one lock order everywhere
         requests = [
             FinishRequest(
                 key=f.run.job.key,

@@ -58,7 +58,7 @@ def claim(
     request = ClaimRequest(
         key=key, name="job", scheduled_at=at, intent=intent, grace_s=grace, skip_threshold=threshold
     )
-    (result,) = backend.claim([request], backend.instance)
+    (result,) = backend.claim([request], backend.instance, capacity=10)
     return result
 
 
@@ -236,8 +236,8 @@ def test_one_batch_claims_many_jobs_in_one_call(replicas):
         )
         for k in range(100, 150)
     ]
-    won_a = a.claim(requests, "a")
-    won_b = b.claim(requests, "b")
+    won_a = a.claim(requests, "a", capacity=100)
+    won_b = b.claim(requests, "b", capacity=100)
     assert [r.outcome for r in won_a] == [Outcome.RUN] * 50
     assert [r.outcome for r in won_b] == [Outcome.LOST] * 50
 
@@ -267,3 +267,42 @@ def test_replicas_starting_together_create_the_schema_once(database_url):
         t.join(30)
     assert not errors
     assert sorted(found) == [0] + [1] * (len(backends) - 1)
+
+
+def test_a_replica_wins_no_more_runs_than_its_free_workers(replicas):
+    a, b = replicas("a"), replicas("b")
+    t = tick(1)  # old enough for any replica to take any share
+    requests = [
+        ClaimRequest(key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30,
+                     skip_threshold=3)
+        for k in range(200, 210)
+    ]
+    first = a.claim(requests, "a", capacity=3)
+    assert [r.outcome for r in first].count(Outcome.RUN) == 3
+    assert [r.outcome for r in first].count(Outcome.DEFERRED) == 7
+    # The deferred ticks were never claimed: another replica can take them at once.
+    second = b.claim(requests, "b", capacity=100)
+    assert [r.outcome for r in second].count(Outcome.RUN) == 7
+    assert [r.outcome for r in second].count(Outcome.LOST) == 3
+    won_by_a = {r.key for r in first if r.outcome is Outcome.RUN}
+    assert won_by_a == {r.key for r in second if r.outcome is Outcome.LOST}
+
+
+def test_replicas_claiming_a_burst_first_try_their_own_shares(replicas, request):
+    if "embedded" in request.node.name:
+        pytest.skip("one host, one SQLite writer at a time: nothing to spread")
+    a, b = replicas("a"), replicas("b")
+    t = tick(-5)  # a burst just due (a clock ahead fires early): shares apply
+    requests = [
+        ClaimRequest(key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30,
+                     skip_threshold=3)
+        for k in range(300, 340)
+    ]
+    first = {r.key: r.outcome for r in a.claim(requests, "a", capacity=100)}
+    second = {r.key: r.outcome for r in b.claim(requests, "b", capacity=100)}
+    mine_a = {k for k, o in first.items() if o is Outcome.RUN}
+    mine_b = {k for k, o in second.items() if o is Outcome.RUN}
+    assert mine_a and mine_b and not mine_a & mine_b
+    assert mine_a | mine_b == set(range(300, 340))  # every tick claimed, each once
+    assert {o for k, o in first.items() if k not in mine_a} == {Outcome.YIELDED}
+    assert {o for k, o in second.items() if k not in mine_b} == {Outcome.LOST}

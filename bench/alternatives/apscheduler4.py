@@ -179,7 +179,7 @@ async def serve(args: argparse.Namespace) -> None:
                 )
                 await scheduler.add_schedule(
                     f"job_{i}",
-                    IntervalTrigger(seconds=1, start_time=first_tick),
+                    IntervalTrigger(seconds=args.interval_s, start_time=first_tick),
                     id=f"job_{i}",
                     coalesce=CoalescePolicy.latest,
                     misfire_grace_time=1,
@@ -198,6 +198,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--evidence", required=True)
     parser.add_argument("--job-ms", type=float, default=1.0)
     parser.add_argument("--key-base", type=int, default=10_000)
+    parser.add_argument(
+        "--interval-s", type=int, default=1, help="seconds between ticks (3600: an idle fleet)"
+    )
     return parser.parse_args()
 
 

@@ -123,6 +123,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--evidence", required=True)
     parser.add_argument("--job-ms", type=float, default=1.0)
     parser.add_argument("--key-base", type=int, default=10_000)
+    parser.add_argument(
+        "--interval-s", type=int, default=1, help="seconds between ticks (3600: an idle fleet)"
+    )
     return parser.parse_args()
 
 
@@ -142,7 +145,7 @@ def main() -> int:
     for i in range(args.jobs):
         scheduler.add_job(
             run_once,
-            IntervalTrigger(seconds=1, start_date=EPOCH, timezone=UTC),
+            IntervalTrigger(seconds=args.interval_s, start_date=EPOCH, timezone=UTC),
             args=(i, url, args.instance, args.evidence, args.job_ms / 1000, args.key_base),
             id=f"job_{i}",
             name=f"job_{i}",

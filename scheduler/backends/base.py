@@ -8,7 +8,12 @@ atomically and in one round trip. Both backends implement the same protocol
   the tick (`lost`). The owner then tries the job's lock: got it -> `run`
   (and any other `running` row of the job is stale: `crashed`); not got ->
   `skipped`, counted in the job's fleet-wide skip streak. Ticks older than
-  their grace are recorded `missed` instead of being run.
+  their grace are recorded `missed` instead of being run. A replica wins at
+  most `capacity` runs per batch (its free workers); ticks beyond that are
+  `deferred`, left unclaimed for the next batch or another replica. A backend
+  may spread a burst over the live replicas (`yielded`: another replica's
+  share, which anyone may take a moment later). Rows are claimed in
+  (scheduled_at, key) order on every replica.
 - finish: a conditional update of the run's row (only while it is still
   `running` with this run_id: a stale run never overwrites what replaced
   it), the failure streak, then the lock is released.
@@ -35,6 +40,8 @@ class Outcome(StrEnum):
     RUN = "run"  # this replica owns the tick and holds the job's lock
     SKIPPED = "skipped"  # this replica recorded the tick as skipped
     LOST = "lost"  # another replica owns the tick
+    DEFERRED = "deferred"  # no free worker for it in this batch: try when one frees
+    YIELDED = "yielded"  # another live replica's share of the burst: try again shortly
     MISSED = "missed"  # this replica recorded the tick as missed
     HELD = "held"  # manual trigger only: the lock is held elsewhere
 
@@ -107,8 +114,13 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release every lock by ending the session."""
 
-    def claim(self, requests: Sequence[ClaimRequest], instance: str) -> list[ClaimResult]:
-        """Answer a batch of claims atomically; raises SessionLost."""
+    def claim(
+        self, requests: Sequence[ClaimRequest], instance: str, capacity: int
+    ) -> list[ClaimResult]:
+        """Answer a batch of claims atomically, winning at most `capacity` runs.
+
+        Raises SessionLost.
+        """
 
     def release(self, keys: Sequence[int]) -> None:
         """Release locks a failed claim may have taken; raises SessionLost."""

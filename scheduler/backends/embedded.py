@@ -231,12 +231,20 @@ class EmbeddedBackend:
 
     # -- the gate's two steps, as in postgres.sql ------------------------------------------
 
-    def claim(self, requests: Sequence[ClaimRequest], instance: str) -> list[ClaimResult]:
+    def claim(
+        self, requests: Sequence[ClaimRequest], instance: str, capacity: int
+    ) -> list[ClaimResult]:
         assert self._conn is not None, "not connected"
         taken: list[int] = []
+        ordered = sorted(requests, key=lambda r: (r.scheduled_at, r.key))
         try:
             with self._conn.begin():
-                results = [self._claim_one(self._conn, r, instance, taken) for r in requests]
+                results = []
+                for request in ordered:
+                    won = sum(1 for r in results if r.outcome is Outcome.RUN)
+                    results.append(
+                        self._claim_one(self._conn, request, instance, taken, won < capacity)
+                    )
         except BaseException:
             for key in taken:  # the rows were rolled back; so are the locks
                 self.locks.unlock(key)
@@ -244,7 +252,7 @@ class EmbeddedBackend:
         return results
 
     def _claim_one(
-        self, conn: Connection, r: ClaimRequest, instance: str, taken: list[int]
+        self, conn: Connection, r: ClaimRequest, instance: str, taken: list[int], room: bool
     ) -> ClaimResult:
         t = ledger.ticks
         now = self.clock()
@@ -262,6 +270,13 @@ class EmbeddedBackend:
         elif now - r.scheduled_at > timedelta(seconds=r.grace_s):
             won = self._insert(conn, r, instance, None, status="missed")
             return ClaimResult(r.key, r.scheduled_at, Outcome.MISSED if won else Outcome.LOST)
+        elif r.intent is Intent.RUN and not room:
+            taken_by_other = conn.execute(
+                select(t.c.job_key).where(t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at)
+            ).first()
+            return ClaimResult(
+                r.key, r.scheduled_at, Outcome.LOST if taken_by_other else Outcome.DEFERRED
+            )
         else:
             if not self._insert(conn, r, instance, now):
                 return ClaimResult(r.key, r.scheduled_at, Outcome.LOST)

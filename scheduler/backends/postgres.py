@@ -46,6 +46,8 @@ from scheduler.errors import PoolerError, one_line
 log = logging.getLogger("scheduler.postgres")
 
 PRESENCE_KEY = 0  # every live replica holds (lock_namespace, 0) in share mode
+TAKEOVER_S = 0.1  # a tick left unclaimed this long after its time is anyone's (see the SQL)
+SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
 
 POOLER_MESSAGE = (
     "the database connection does not keep one server session across transactions: "
@@ -55,7 +57,8 @@ POOLER_MESSAGE = (
 )
 
 _CLAIM = text(
-    "SELECT * FROM scheduler_claim(:ns, :instance, CAST(:keys AS integer[]),"
+    "SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from,"
+    " CAST(:keys AS integer[]),"
     " CAST(:names AS text[]), CAST(:ticks AS timestamptz[]), CAST(:intents AS text[]),"
     " CAST(:graces AS double precision[]), CAST(:thresholds AS integer[]))"
 )
@@ -289,10 +292,15 @@ class PostgresBackend:
 
     # -- the gate's two steps ----------------------------------------------------
 
-    def claim(self, requests: Sequence[ClaimRequest], instance: str) -> list[ClaimResult]:
+    def claim(
+        self, requests: Sequence[ClaimRequest], instance: str, capacity: int
+    ) -> list[ClaimResult]:
         params = {
             "ns": self.namespace,
             "instance": instance,
+            "capacity": capacity,
+            "takeover": TAKEOVER_S,
+            "share_from": SHARE_FROM,
             "keys": [r.key for r in requests],
             "names": [r.name for r in requests],
             "ticks": [r.scheduled_at for r in requests],

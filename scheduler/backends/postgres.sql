@@ -2,6 +2,10 @@
 -- The tables come from scheduler/ledger.py; the story is told in scheduler/gate.py.
 -- Both functions run on the replica's lock session: the advisory locks they
 -- take and release are session-level and live as long as that session.
+--
+-- Rows are always inserted and locked in one order, (scheduled_at, job_key):
+-- replicas claiming the same ticks at the same moment then only ever wait for
+-- one another in one direction, never in a cycle.
 
 -- scheduler_claim: claim a batch of ticks.
 --
@@ -13,11 +17,17 @@
 --   held     -> `skipped`: the previous run is still going. The fleet-wide
 --               streak grows by one; exactly one skip makes it reach the
 --               threshold, and that one reports `alert`.
+-- Which unclaimed ticks a replica tries at once (its share of the burst, at
+-- most p_capacity runs: its free workers) is explained at the claim below.
 -- A tick older than its grace (by the database clock, the same for every
--- replica) is recorded `missed` and never run.
+-- replica) is recorded `missed` and never run. Intent `skip` (this replica
+-- still runs the job) never asks for the lock: advisory locks stack.
 CREATE OR REPLACE FUNCTION scheduler_claim(
     p_namespace  integer,
     p_instance   text,
+    p_capacity   integer,
+    p_takeover   double precision,
+    p_share_from integer,
     p_keys       integer[],
     p_names      text[],
     p_ticks      timestamptz[],
@@ -40,119 +50,235 @@ CREATE OR REPLACE FUNCTION scheduler_claim(
 #variable_conflict use_column
 DECLARE
     r record;
-    v_alerted boolean;
+    v_live integer;
+    v_rank integer;
+    v_won_keys integer[];
+    v_won_names text[];
+    v_won_ticks timestamptz[];
+    v_won_intents text[];
+    v_won_thresholds integer[];
+    v_won_run_ids bigint[];
+    v_won_started timestamptz[];
+    v_other_keys integer[];
+    v_other_ticks timestamptz[];
+    v_other_fates text[];
+    v_keys integer[] := '{}';
+    v_ticks timestamptz[] := '{}';
+    v_run_ids bigint[] := '{}';
+    v_started timestamptz[] := '{}';
 BEGIN
+    -- Manual runs (`scheduler trigger`) have a tick of their own: only the lock can stop them.
     FOR r IN
-        SELECT * FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
-            AS t(key, name, tick, intent, grace, threshold)
+        SELECT q.key, q.name, q.tick
+          FROM unnest(p_keys, p_names, p_ticks, p_intents) AS q(key, name, tick, intent)
+         WHERE q.intent = 'manual'
     LOOP
-        job_key := r.key;
-        scheduled_at := r.tick;
-        outcome := NULL;
-        run_id := NULL;
-        started_at := NULL;
-        holder := NULL;
-        holder_since := NULL;
-        consecutive_skips := NULL;
-        alert := false;
-        recovered := false;
-        crashed := 0;
-
-        IF r.intent = 'manual' THEN
-            -- A manual run has a tick of its own ("now"): only the lock can stop it.
-            IF NOT pg_try_advisory_lock(p_namespace, r.key) THEN
-                SELECT t.instance, t.started_at INTO holder, holder_since
-                  FROM scheduler_ticks t
-                 WHERE t.job_key = r.key AND t.status = 'running'
-                 ORDER BY t.scheduled_at DESC LIMIT 1;
-                outcome := 'held';
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
-            INSERT INTO scheduler_ticks AS t
-                   (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual)
-            VALUES (r.key, r.tick, r.name, 'running', p_instance,
-                    nextval('scheduler_run_id'), now(), true)
-            ON CONFLICT DO NOTHING
-            RETURNING t.run_id, t.started_at INTO run_id, started_at;
-            IF NOT FOUND THEN
-                PERFORM pg_advisory_unlock(p_namespace, r.key);
-                outcome := 'lost';
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
-        ELSIF now() - r.tick > make_interval(secs => r.grace) THEN
-            INSERT INTO scheduler_ticks AS t (job_key, scheduled_at, job_name, status, instance)
-            VALUES (r.key, r.tick, r.name, 'missed', p_instance)
-            ON CONFLICT DO NOTHING;
-            outcome := CASE WHEN FOUND THEN 'missed' ELSE 'lost' END;
-            RETURN NEXT;
+        IF NOT pg_try_advisory_lock(p_namespace, r.key) THEN
+            RETURN QUERY
+            SELECT r.key, r.tick, 'held', NULL::bigint, NULL::timestamptz, t.instance,
+                   t.started_at, NULL::integer, false, false, 0
+              FROM (SELECT NULL) AS one
+              LEFT JOIN LATERAL (
+                  SELECT t.instance, t.started_at FROM scheduler_ticks t
+                   WHERE t.job_key = r.key AND t.status = 'running'
+                   ORDER BY t.scheduled_at DESC LIMIT 1) AS t ON true;
             CONTINUE;
-        ELSE
-            -- The claim. run_id is drawn here so that the common path is one INSERT;
-            -- a skipped tick gives its number back to nobody (gaps are harmless).
-            INSERT INTO scheduler_ticks AS t
-                   (job_key, scheduled_at, job_name, status, instance, run_id, started_at)
-            VALUES (r.key, r.tick, r.name, 'running', p_instance,
-                    nextval('scheduler_run_id'), now())
-            ON CONFLICT DO NOTHING
-            RETURNING t.run_id, t.started_at INTO run_id, started_at;
-            IF NOT FOUND THEN
-                outcome := 'lost';
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
-
-            IF r.intent <> 'run' OR NOT pg_try_advisory_lock(p_namespace, r.key) THEN
-                -- The previous run still holds the lock (on another replica, or on
-                -- this one: intent 'skip', since advisory locks stack in a session).
-                SELECT t.instance, t.started_at INTO holder, holder_since
-                  FROM scheduler_ticks t
-                 WHERE t.job_key = r.key AND t.status = 'running' AND t.scheduled_at <> r.tick
-                 ORDER BY t.scheduled_at DESC LIMIT 1;
-                UPDATE scheduler_ticks t
-                   SET status = 'skipped', run_id = NULL, started_at = NULL,
-                       holder = scheduler_claim.holder
-                 WHERE t.job_key = r.key AND t.scheduled_at = r.tick;
-                INSERT INTO scheduler_jobs AS j
-                       (job_key, job_name, consecutive_skips, skip_alerted, tracked_since)
-                VALUES (r.key, r.name, 1, 1 >= r.threshold, now())
-                ON CONFLICT ON CONSTRAINT scheduler_jobs_pkey DO UPDATE
-                   SET consecutive_skips = j.consecutive_skips + 1,
-                       skip_alerted = j.skip_alerted OR j.consecutive_skips + 1 >= r.threshold
-                RETURNING j.consecutive_skips INTO consecutive_skips;
-                run_id := NULL;
-                started_at := NULL;
-                alert := consecutive_skips = r.threshold;
-                outcome := 'skipped';
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
         END IF;
-
-        -- This replica owns the tick and holds the lock: every other running row
-        -- of the job belongs to a replica that died or lost the lock.
-        UPDATE scheduler_ticks t
-           SET status = 'crashed', finished_at = now(),
-               error = coalesce(t.error, 'replica lost its lock before the run finished')
-         WHERE t.job_key = r.key AND t.status = 'running' AND t.scheduled_at <> r.tick;
-        GET DIAGNOSTICS crashed = ROW_COUNT;
-
-        -- The job runs again: its skip streak ends (one recovery notice if it
-        -- alerted). consecutive_skips reports the length of the streak it ends.
-        consecutive_skips := 0;
-        PERFORM 1 FROM scheduler_jobs j
-          WHERE j.job_key = r.key AND (j.consecutive_skips > 0 OR j.skip_alerted);
+        INSERT INTO scheduler_ticks AS t
+               (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual)
+        VALUES (r.key, r.tick, r.name, 'running', p_instance, nextval('scheduler_run_id'),
+                clock_timestamp(), true)
+        ON CONFLICT DO NOTHING
+        RETURNING t.run_id, t.started_at INTO run_id, started_at;
         IF FOUND THEN
-            SELECT j.skip_alerted, j.consecutive_skips INTO v_alerted, consecutive_skips
-              FROM scheduler_jobs j WHERE j.job_key = r.key FOR UPDATE;
-            UPDATE scheduler_jobs j SET consecutive_skips = 0, skip_alerted = false
-             WHERE j.job_key = r.key;
-            recovered := v_alerted;
+            v_keys := v_keys || r.key;
+            v_ticks := v_ticks || r.tick;
+            v_run_ids := v_run_ids || run_id;
+            v_started := v_started || started_at;
+        ELSE
+            PERFORM pg_advisory_unlock(p_namespace, r.key);
+            RETURN QUERY SELECT r.key, r.tick, 'lost', NULL::bigint, NULL::timestamptz,
+                                NULL::text, NULL::timestamptz, NULL::integer, false, false, 0;
         END IF;
-        outcome := 'run';
+    END LOOP;
+
+    -- Ticks past their grace: recorded `missed` (unless some replica has a row).
+    RETURN QUERY
+    WITH late AS (
+        SELECT q.key, q.name, q.tick
+          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces)
+               AS q(key, name, tick, intent, grace)
+         WHERE q.intent <> 'manual' AND now() - q.tick > make_interval(secs => q.grace)
+    ), recorded AS (
+        INSERT INTO scheduler_ticks AS t (job_key, scheduled_at, job_name, status, instance)
+        SELECT late.key, late.tick, late.name, 'missed', p_instance
+          FROM late ORDER BY late.tick, late.key
+        ON CONFLICT DO NOTHING
+        RETURNING t.job_key, t.scheduled_at
+    )
+    SELECT late.key, late.tick,
+           CASE WHEN recorded.job_key IS NULL THEN 'lost' ELSE 'missed' END,
+           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::integer,
+           false, false, 0
+      FROM late
+      LEFT JOIN recorded ON recorded.job_key = late.key AND recorded.scheduled_at = late.tick;
+
+    -- The claim: one INSERT for the ticks this replica tries to win now.
+    --
+    -- Replicas claim each burst of ticks at the same moment. Each live replica
+    -- (a session holding the shared presence lock (lock_namespace, 0)) first
+    -- tries its own share of the ticks, by a hash of the job key, so that the
+    -- replicas insert different rows side by side instead of queueing behind
+    -- each other's uncommitted rows. A tick still unclaimed p_takeover seconds
+    -- after its time is tried by every replica: a share whose replica is frozen
+    -- or busy is not stranded. Other unclaimed ticks are `yielded`. Beyond
+    -- p_capacity runs (this replica's free workers), ticks are `deferred`.
+    -- (Bursts smaller than p_share_from ticks are not worth spreading: every
+    -- replica tries them all, and the others' tries cost no second round trip.)
+    SELECT count(*)::integer, (count(*) FILTER (WHERE l.pid < pg_backend_pid()))::integer
+      INTO v_live, v_rank
+      FROM pg_locks l
+     WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock'
+       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+       AND l.classid = (p_namespace::bigint & 4294967295)::oid
+       AND l.objid = 0 AND l.objsubid = 2;
+    IF cardinality(p_keys) < p_share_from THEN
+        v_live := 1;
+    END IF;
+    WITH q AS (
+        SELECT q.key, q.name, q.tick, q.intent, q.threshold,
+               EXISTS (SELECT 1 FROM scheduler_ticks t
+                        WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken,
+               v_live <= 1 OR mod(abs(hashtext(q.key::text)), v_live) = v_rank
+                   OR now() - q.tick >= make_interval(secs => p_takeover) AS mine
+          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
+               AS q(key, name, tick, intent, grace, threshold)
+         WHERE q.intent IN ('run', 'skip')
+           AND now() - q.tick <= make_interval(secs => q.grace)
+    ), tried AS (
+        SELECT q.key, q.tick, q.name FROM q WHERE NOT q.taken AND q.intent = 'skip'
+        UNION ALL
+        (SELECT q.key, q.tick, q.name FROM q WHERE NOT q.taken AND q.intent = 'run' AND q.mine
+          ORDER BY q.tick, q.key LIMIT p_capacity)
+    ), won AS (
+        INSERT INTO scheduler_ticks AS t
+               (job_key, scheduled_at, job_name, status, instance, run_id, started_at)
+        SELECT tried.key, tried.tick, tried.name, 'running', p_instance,
+               nextval('scheduler_run_id'), clock_timestamp()
+          FROM tried ORDER BY tried.tick, tried.key
+        ON CONFLICT DO NOTHING
+        RETURNING t.job_key, t.scheduled_at, t.run_id, t.started_at
+    ), decided AS (
+        SELECT q.key, q.name, q.tick, q.intent, q.threshold, won.run_id, won.started_at,
+               CASE WHEN won.run_id IS NOT NULL THEN 'won'
+                    WHEN q.taken OR tried.key IS NOT NULL THEN 'lost'  -- another came first
+                    WHEN NOT q.mine THEN 'yielded'  -- another replica's share, for now
+                    ELSE 'deferred'  -- no free worker for it in this batch
+               END AS fate
+          FROM q
+          LEFT JOIN tried ON tried.key = q.key AND tried.tick = q.tick
+          LEFT JOIN won ON won.job_key = q.key AND won.scheduled_at = q.tick
+    )
+    SELECT array_agg(d.key ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.name ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.tick ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.intent ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.threshold ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.run_id ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.started_at ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
+           array_agg(d.key) FILTER (WHERE d.fate <> 'won'),
+           array_agg(d.tick) FILTER (WHERE d.fate <> 'won'),
+           array_agg(d.fate) FILTER (WHERE d.fate <> 'won')
+      INTO v_won_keys, v_won_names, v_won_ticks, v_won_intents, v_won_thresholds,
+           v_won_run_ids, v_won_started, v_other_keys, v_other_ticks, v_other_fates
+      FROM decided d;
+
+    RETURN QUERY
+    SELECT o.key, o.tick, o.fate, NULL::bigint, NULL::timestamptz, NULL::text,
+           NULL::timestamptz, NULL::integer, false, false, 0
+      FROM unnest(v_other_keys, v_other_ticks, v_other_fates) AS o(key, tick, fate);
+
+    -- The ticks this replica won: the lock decides run or skip (in the common order).
+    FOR r IN
+        SELECT * FROM unnest(v_won_keys, v_won_names, v_won_ticks, v_won_intents,
+                             v_won_thresholds, v_won_run_ids, v_won_started)
+                   AS w(key, name, tick, intent, threshold, run_id, started_at)
+    LOOP
+        IF r.intent = 'run' AND pg_try_advisory_lock(p_namespace, r.key) THEN
+            v_keys := v_keys || r.key;
+            v_ticks := v_ticks || r.tick;
+            v_run_ids := v_run_ids || r.run_id;
+            v_started := v_started || r.started_at;
+            CONTINUE;  -- returned below, with what its start changed
+        ELSE
+            job_key := r.key;
+            scheduled_at := r.tick;
+            run_id := NULL;
+            started_at := NULL;
+            holder := NULL;
+            holder_since := NULL;
+            recovered := false;
+            crashed := 0;
+            -- The previous run still holds the lock (on another replica, or on
+            -- this one: intent `skip`).
+            SELECT t.instance, t.started_at INTO holder, holder_since
+              FROM scheduler_ticks t
+             WHERE t.job_key = r.key AND t.status = 'running' AND t.scheduled_at <> r.tick
+             ORDER BY t.scheduled_at DESC LIMIT 1;
+            UPDATE scheduler_ticks t
+               SET status = 'skipped', run_id = NULL, started_at = NULL,
+                   holder = scheduler_claim.holder
+             WHERE t.job_key = r.key AND t.scheduled_at = r.tick;
+            INSERT INTO scheduler_jobs AS j
+                   (job_key, job_name, consecutive_skips, skip_alerted, tracked_since)
+            VALUES (r.key, r.name, 1, 1 >= r.threshold, now())
+            ON CONFLICT ON CONSTRAINT scheduler_jobs_pkey DO UPDATE
+               SET consecutive_skips = j.consecutive_skips + 1,
+                   skip_alerted = j.skip_alerted OR j.consecutive_skips + 1 >= r.threshold
+            RETURNING j.consecutive_skips INTO consecutive_skips;
+            alert := consecutive_skips = r.threshold;
+            outcome := 'skipped';
+        END IF;
         RETURN NEXT;
     END LOOP;
+
+    IF cardinality(v_keys) = 0 THEN
+        RETURN;
+    END IF;
+    -- The runs. This replica now holds their locks, so every other `running` row
+    -- of those jobs belongs to a replica that died or lost the lock: `crashed`.
+    -- And each job's skip streak ends (one recovery notice if it had alerted);
+    -- consecutive_skips reports the length of the streak a run ends.
+    RETURN QUERY
+    WITH runs AS (
+        SELECT * FROM unnest(v_keys, v_ticks, v_run_ids, v_started)
+                   AS x(key, tick, run_id, started)
+    ), stale AS (
+        UPDATE scheduler_ticks t
+           SET status = 'crashed', finished_at = clock_timestamp(),
+               error = coalesce(t.error, 'replica lost its lock before the run finished')
+          FROM runs
+         WHERE t.job_key = runs.key AND t.status = 'running' AND t.scheduled_at <> runs.tick
+        RETURNING t.job_key
+    ), stale_per_job AS (
+        SELECT stale.job_key, count(*)::integer AS n FROM stale GROUP BY stale.job_key
+    ), streaks AS (
+        SELECT j.job_key, j.consecutive_skips AS ended, j.skip_alerted AS alerted
+          FROM scheduler_jobs j
+         WHERE j.job_key = ANY (v_keys) AND (j.consecutive_skips > 0 OR j.skip_alerted)
+         ORDER BY j.job_key
+           FOR UPDATE
+    ), reset AS (
+        UPDATE scheduler_jobs j SET consecutive_skips = 0, skip_alerted = false
+          FROM streaks WHERE j.job_key = streaks.job_key
+        RETURNING j.job_key
+    )
+    SELECT runs.key, runs.tick, 'run', runs.run_id, runs.started, NULL::text,
+           NULL::timestamptz, coalesce(streaks.ended, 0), false,
+           coalesce(streaks.alerted, false), coalesce(stale_per_job.n, 0)
+      FROM runs
+      LEFT JOIN streaks ON streaks.job_key = runs.key
+      LEFT JOIN stale_per_job ON stale_per_job.job_key = runs.key;
 END;
 $$;
 
@@ -160,9 +286,11 @@ $$;
 --
 -- The update is conditional: only a row that is still `running` with this
 -- run_id is ours. A stale run (its replica froze and lost the lock) finds its
--- row already `crashed` and changes nothing. The row is updated before the
--- lock is released, so a replica that takes the lock next and looks for stale
+-- row already `crashed` and changes nothing. The rows are updated before the
+-- locks are released, so a replica that takes a lock next and looks for stale
 -- `running` rows waits for this transaction and then sees the final status.
+-- consecutive_failures: for a failure, the streak so far; for a success, the
+-- length of the streak it ends.
 CREATE OR REPLACE FUNCTION scheduler_finish(
     p_namespace  integer,
     p_keys       integer[],
@@ -184,55 +312,79 @@ CREATE OR REPLACE FUNCTION scheduler_finish(
 #variable_conflict use_column
 DECLARE
     r record;
-    v_alerted boolean;
+    v_keys integer[];
+    v_ticks timestamptz[];
+    v_statuses text[];
+    v_thresholds integer[];
+    v_finished timestamptz[];
 BEGIN
-    FOR r IN
-        SELECT * FROM unnest(p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_unlocks,
-                             p_thresholds)
-            AS t(key, tick, run_id, status, error, unlock, threshold)
-    LOOP
-        job_key := r.key;
-        scheduled_at := r.tick;
-        finished_at := NULL;
-        consecutive_failures := NULL;
-        alert := false;
-        recovered := false;
-
+    WITH done AS (
         UPDATE scheduler_ticks t
-           SET status = r.status, finished_at = now(), error = r.error
-         WHERE t.job_key = r.key AND t.scheduled_at = r.tick
-           AND t.run_id = r.run_id AND t.status = 'running'
-        RETURNING t.finished_at INTO finished_at;
-        recorded := FOUND;
+           SET status = f.status, finished_at = clock_timestamp(), error = f.error
+          FROM unnest(p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_thresholds)
+               AS f(key, tick, run_id, status, error, threshold)
+         WHERE t.job_key = f.key AND t.scheduled_at = f.tick
+           AND t.run_id = f.run_id AND t.status = 'running'
+        RETURNING t.job_key, t.scheduled_at, t.status, f.threshold, t.finished_at
+    )
+    SELECT coalesce(array_agg(done.job_key), '{}'), coalesce(array_agg(done.scheduled_at), '{}'),
+           coalesce(array_agg(done.status), '{}'), coalesce(array_agg(done.threshold), '{}'),
+           coalesce(array_agg(done.finished_at), '{}')
+      INTO v_keys, v_ticks, v_statuses, v_thresholds, v_finished
+      FROM done;
 
-        IF recorded AND r.status = 'failed' THEN
-            INSERT INTO scheduler_jobs AS j
-                   (job_key, job_name, consecutive_failures, fail_alerted, tracked_since)
-            SELECT r.key, t.job_name, 1, 1 >= r.threshold, now()
-              FROM scheduler_ticks t WHERE t.job_key = r.key AND t.scheduled_at = r.tick
-            ON CONFLICT ON CONSTRAINT scheduler_jobs_pkey DO UPDATE
-               SET consecutive_failures = j.consecutive_failures + 1,
-                   fail_alerted = j.fail_alerted OR j.consecutive_failures + 1 >= r.threshold
-            RETURNING j.consecutive_failures INTO consecutive_failures;
-            alert := consecutive_failures = r.threshold;
-        ELSIF recorded AND r.status = 'succeeded' THEN
-            -- consecutive_failures reports the length of the streak this success ends.
-            consecutive_failures := 0;
-            PERFORM 1 FROM scheduler_jobs j
-              WHERE j.job_key = r.key AND (j.consecutive_failures > 0 OR j.fail_alerted);
-            IF FOUND THEN
-                SELECT j.fail_alerted, j.consecutive_failures INTO v_alerted, consecutive_failures
-                  FROM scheduler_jobs j WHERE j.job_key = r.key FOR UPDATE;
-                UPDATE scheduler_jobs j SET consecutive_failures = 0, fail_alerted = false
-                 WHERE j.job_key = r.key;
-                recovered := v_alerted;
-            END IF;
-        END IF;
-
-        IF r.unlock THEN
-            PERFORM pg_advisory_unlock(p_namespace, r.key);
-        END IF;
-        RETURN NEXT;
+    -- Failures grow the job's streak; exactly one makes it reach the threshold.
+    FOR r IN
+        SELECT * FROM unnest(v_keys, v_ticks, v_statuses, v_thresholds, v_finished)
+                   AS d(key, tick, status, threshold, finished)
+         WHERE d.status = 'failed' ORDER BY d.key
+    LOOP
+        INSERT INTO scheduler_jobs AS j
+               (job_key, job_name, consecutive_failures, fail_alerted, tracked_since)
+        SELECT r.key, t.job_name, 1, 1 >= r.threshold, now()
+          FROM scheduler_ticks t WHERE t.job_key = r.key AND t.scheduled_at = r.tick
+        ON CONFLICT ON CONSTRAINT scheduler_jobs_pkey DO UPDATE
+           SET consecutive_failures = j.consecutive_failures + 1,
+               fail_alerted = j.fail_alerted OR j.consecutive_failures + 1 >= r.threshold
+        RETURNING j.consecutive_failures INTO consecutive_failures;
+        RETURN QUERY SELECT r.key, r.tick, true, r.finished, consecutive_failures,
+                            consecutive_failures = r.threshold, false;
     END LOOP;
+
+    -- Successes end the streak (one recovery notice if it had alerted).
+    RETURN QUERY
+    WITH ok AS (
+        SELECT * FROM unnest(v_keys, v_ticks, v_statuses, v_finished)
+                   AS d(key, tick, status, finished)
+         WHERE d.status <> 'failed'
+    ), streaks AS (
+        SELECT j.job_key, j.consecutive_failures AS ended, j.fail_alerted AS alerted
+          FROM scheduler_jobs j
+         WHERE j.job_key IN (SELECT ok.key FROM ok WHERE ok.status = 'succeeded')
+           AND (j.consecutive_failures > 0 OR j.fail_alerted)
+         ORDER BY j.job_key
+           FOR UPDATE
+    ), reset AS (
+        UPDATE scheduler_jobs j SET consecutive_failures = 0, fail_alerted = false
+          FROM streaks WHERE j.job_key = streaks.job_key
+        RETURNING j.job_key
+    )
+    SELECT ok.key, ok.tick, true, ok.finished,
+           CASE WHEN ok.status = 'succeeded' THEN coalesce(streaks.ended, 0) END,
+           false, ok.status = 'succeeded' AND coalesce(streaks.alerted, false)
+      FROM ok LEFT JOIN streaks ON streaks.job_key = ok.key;
+
+    -- Runs whose row was no longer theirs (marked crashed while they ran).
+    RETURN QUERY
+    SELECT f.key, f.tick, false, NULL::timestamptz, NULL::integer, false, false
+      FROM unnest(p_keys, p_ticks) AS f(key, tick)
+     WHERE NOT EXISTS (SELECT 1 FROM unnest(v_keys, v_ticks) AS d(key, tick)
+                        WHERE d.key = f.key AND d.tick = f.tick);
+
+    -- Only now release the locks: the rows above are updated (and row-locked).
+    PERFORM pg_advisory_unlock(p_namespace, u.key)
+       FROM unnest(p_keys, p_unlocks) AS u(key, unlock)
+      WHERE u.unlock
+      ORDER BY u.key;
 END;
 $$;

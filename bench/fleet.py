@@ -1,0 +1,339 @@
+"""Starting fleets of replicas (ours or an alternative) and measuring them from outside.
+
+Everything measured here comes from outside the replicas: the jobs' own
+evidence lines (which ticks ran, where, when), the server's statistics and log
+(transactions, statements, sessions), and /proc (CPU, memory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+APS4_PYTHON = BENCH / ".venv-aps4" / "bin" / "python"
+APS4_INSTALL = [
+    "apscheduler==4.0.0a6",
+    "sqlalchemy[asyncio]>=2,<2.2",
+    "psycopg[binary]>=3.1",
+    "sniffio",
+]
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+OUR_JOBS = """
+import json, os, threading, time
+from scheduler import job
+
+EVIDENCE = os.environ["BENCH_EVIDENCE"]
+SECONDS = float(os.environ.get("BENCH_JOB_SECONDS", "0.001"))
+
+
+def _run(ctx):
+    line = json.dumps({"job": ctx.job_name, "tick": ctx.scheduled_at.isoformat(),
+                       "instance": ctx.instance, "start": time.time(),
+                       "scheduled": ctx.scheduled_at.timestamp()})
+    with open(EVIDENCE, "a") as f:
+        f.write(line + "\\n")
+    threading.Event().wait(SECONDS)
+"""
+
+
+def faketime_library() -> str | None:
+    found = sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))
+    return str(found[0]) if found else None
+
+
+class Server:
+    """The PostgreSQL server the benchmark runs against; one database per scenario."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        with psycopg.connect(url, autocommit=True) as conn:
+            self.version = conn.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
+        self.log_path = self._find_log()
+
+    def database_url(self, name: str) -> str:
+        return self.url.rsplit("/", 1)[0] + "/" + name
+
+    def create(self, prefix: str, log_statements: bool = False) -> str:
+        name = f"bench_{prefix}_{uuid.uuid4().hex[:6]}"
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+            if log_statements:
+                conn.execute(f"ALTER DATABASE \"{name}\" SET log_statement = 'all'")
+        return name
+
+    def drop(self, name: str) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def transactions(self, name: str) -> int:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            row = conn.execute(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+                (name,),
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def sessions(self, name: str) -> dict[int, str]:
+        """Backend pid -> application_name of the sessions on database `name` now."""
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid, application_name FROM pg_stat_activity"
+                " WHERE datname = %s AND application_name <> ''",
+                (name,),
+            ).fetchall()
+        return {int(pid): app for pid, app in rows}
+
+    def _find_log(self) -> Path | None:
+        major = self.version.split(".")[0]
+        path = Path(f"/var/log/postgresql/postgresql-{major}-main.log")
+        return path if path.exists() and os.access(path, os.R_OK) else None
+
+    def log_offset(self) -> int:
+        return self.log_path.stat().st_size if self.log_path else 0
+
+    def statements(self, name: str, since: int, apps: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Statements the server logged for database `name`, per backend pid.
+
+        Each entry: the session's application_name (from `apps`, sampled from
+        pg_stat_activity while it ran) and a Counter of statement kinds (the
+        function called, or the statement's first words).
+        """
+        if not self.log_path:
+            return {}
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        sessions: dict[int, dict[str, Any]] = defaultdict(lambda: {"app": "", "kinds": Counter()})
+        pattern = re.compile(
+            r"\[(\d+)\] \S+@" + re.escape(name) + r" LOG:  (statement|execute [^:]*): (.*)"
+        )
+        for line in text.splitlines():
+            if (m := pattern.search(line)) is not None:
+                pid = int(m.group(1))
+                sessions[pid]["app"] = apps.get(pid, "")
+                sessions[pid]["kinds"][_kind(m.group(3))] += 1
+        return dict(sessions)
+
+    def logged_transactions(self, name: str, since: int) -> int:
+        """Transactions on database `name` in the server's statement log since `since`.
+
+        A statement outside BEGIN ... COMMIT is a transaction of its own; an
+        explicit block counts once.
+        """
+        if not self.log_path:
+            return -1
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        pattern = re.compile(
+            r"\[(\d+)\] \S+@" + re.escape(name) + r" LOG:  (statement|execute [^:]*): (.*)"
+        )
+        open_block: set[int] = set()
+        count = 0
+        for line in text.splitlines():
+            if (m := pattern.search(line)) is None:
+                continue
+            pid, sql = int(m.group(1)), m.group(3).strip().upper()
+            if sql.startswith(("BEGIN", "START TRANSACTION")):
+                open_block.add(pid)
+            elif sql.startswith(("COMMIT", "ROLLBACK")) and pid in open_block:
+                open_block.discard(pid)
+                count += 1
+            elif pid not in open_block:
+                count += 1
+        return count
+
+
+def _kind(sql: str) -> str:
+    found = re.search(
+        r"(scheduler_claim|scheduler_finish|pg_try_advisory_lock"
+        r"|pg_advisory_unlock|pg_advisory_lock_shared|now\(\))",
+        sql,
+    )
+    if found:
+        return found.group(1)
+    return " ".join(sql.split()[:2])[:40]
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def process_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+@dataclass
+class Replica:
+    name: str
+    process: subprocess.Popen[bytes]
+    launched: float
+
+
+@dataclass
+class Fleet:
+    """Replicas of one kind (`ours`, `naive`, `aps4`) running N jobs on one database."""
+
+    kind: str
+    server: Server
+    database: str
+    jobs: int
+    job_seconds: float = 0.001
+    max_workers: int | None = None
+    interval_s: int = 1
+    first_every_second: bool = False  # job_0 ticks every second whatever interval_s is
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="scheduler-bench-")))
+    replicas: list[Replica] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.evidence = self.root / "evidence.jsonl"
+        self.evidence.touch()
+        if self.kind == "ours":
+            (self.root / "jobs").mkdir()
+            code = [OUR_JOBS]
+            lines = ["jobs:"]
+            for i in range(self.jobs):
+                every = 1 if i == 0 and self.first_every_second else self.interval_s
+                code.append(f"@job(key={10_000 + i})\ndef job_{i}(ctx):\n    _run(ctx)\n")
+                lines.append(f"  job_{i}: {{interval: {every}}}")
+            (self.root / "jobs" / "bench_jobs.py").write_text("\n".join(code))
+            (self.root / "config.yaml").write_text("\n".join(lines) + "\n")
+
+    @property
+    def url(self) -> str:
+        return self.server.database_url(self.database)
+
+    def command(self, name: str) -> list[str]:
+        if self.kind == "ours":
+            return [sys.executable, "-m", "scheduler", "run"]
+        script = {"naive": "naive_lock.py", "aps4": "apscheduler4.py"}[self.kind]
+        python = str(APS4_PYTHON) if self.kind == "aps4" else sys.executable
+        return [
+            python,
+            str(BENCH / "alternatives" / script),
+            "--database-url",
+            self.url,
+            "--jobs",
+            str(self.jobs),
+            "--instance",
+            name,
+            "--evidence",
+            str(self.evidence),
+            "--job-ms",
+            str(self.job_seconds * 1000),
+            "--interval-s",
+            str(self.interval_s),
+        ]
+
+    def start(self, name: str, clock_offset: str | None = None) -> Replica:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
+        env.update(
+            SCHEDULER_DATABASE_URL=self.url,
+            SCHEDULER_INSTANCE_NAME=name,
+            SCHEDULER_CONFIG=str(self.root / "config.yaml"),
+            BENCH_EVIDENCE=str(self.evidence),
+            BENCH_JOB_SECONDS=str(self.job_seconds),
+        )
+        if self.max_workers:
+            env["SCHEDULER_MAX_WORKERS"] = str(self.max_workers)
+        if clock_offset:
+            library = faketime_library()
+            if library is None:
+                raise RuntimeError("clock skew needs libfaketime: apt-get install faketime")
+            env.update(LD_PRELOAD=library, FAKETIME=clock_offset, FAKETIME_DONT_FAKE_MONOTONIC="1")
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
+        process = subprocess.Popen(
+            self.command(name), cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        replica = Replica(name, process, time.time())
+        self.replicas.append(replica)
+        return replica
+
+    def stop(self, timeout: float = 60) -> list[int | None]:
+        for replica in self.replicas:
+            if replica.process.poll() is None:
+                replica.process.send_signal(signal.SIGTERM)
+        codes: list[int | None] = []
+        for replica in self.replicas:
+            try:
+                codes.append(replica.process.wait(timeout))
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+                codes.append(None)
+        return codes
+
+    def runs(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.evidence.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def first_run_at(self) -> float | None:
+        runs = self.runs()
+        return min((r["start"] for r in runs), default=None)
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def verify(runs: list[dict[str, Any]], jobs: int, start: float, end: float) -> dict[str, Any]:
+    """Every whole-second tick of every job in [start, end): ran once, twice, or never?"""
+    first, last = int(start) + 1, int(end) - 1
+    window = {(f"job_{i}", float(t)) for i in range(jobs) for t in range(first, last + 1)}
+    counts = Counter((r["job"], float(r["scheduled"])) for r in runs)
+    lateness = [
+        r["start"] - r["scheduled"] for r in runs if (r["job"], float(r["scheduled"])) in window
+    ]
+    return {
+        "ticks": len(window),
+        "ran_once": sum(1 for t in window if counts[t] == 1),
+        "duplicates": sum(counts[t] - 1 for t in window if counts[t] > 1),
+        "missing": sum(1 for t in window if counts[t] == 0),
+        "seconds": last - first + 1,
+        "lateness_p50_ms": _ms(quantile(lateness, 0.5)),
+        "lateness_p99_ms": _ms(quantile(lateness, 0.99)),
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
