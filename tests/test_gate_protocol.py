@@ -273,8 +273,9 @@ def test_a_replica_wins_no_more_runs_than_its_free_workers(replicas):
     a, b = replicas("a"), replicas("b")
     t = tick(1)  # old enough for any replica to take any share
     requests = [
-        ClaimRequest(key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30,
-                     skip_threshold=3)
+        ClaimRequest(
+            key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30, skip_threshold=3
+        )
         for k in range(200, 210)
     ]
     first = a.claim(requests, "a", capacity=3)
@@ -294,8 +295,9 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(replicas, request)
     a, b = replicas("a"), replicas("b")
     t = tick(-5)  # a burst just due (a clock ahead fires early): shares apply
     requests = [
-        ClaimRequest(key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30,
-                     skip_threshold=3)
+        ClaimRequest(
+            key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30, skip_threshold=3
+        )
         for k in range(300, 340)
     ]
     first = {r.key: r.outcome for r in a.claim(requests, "a", capacity=100)}
