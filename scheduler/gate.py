@@ -45,8 +45,8 @@ import selectors
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from scheduler import events
@@ -85,9 +85,13 @@ class Run:
     ctx: RunContext
     generation: int  # the session that took the lock; the lock is gone with it
     started: float  # monotonic
-    done: threading.Event = field(default_factory=threading.Event)
-    status: str | None = None
+    future: Future[None] | None = None
+    status: str | None = None  # set when the job has returned (or was given up)
     error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None
 
 
 @dataclass
@@ -156,6 +160,9 @@ class Gate:
         self._bursts = 0  # APScheduler is submitting a burst of due ticks
         self._stopped = threading.Event()
 
+        # One event per daemon, one per lock session: every run shares them.
+        self._stopping_runs = threading.Event()
+        self._lock_lost = threading.Event()
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._generation = 0  # bumped whenever the lock session is lost
         self._sessions = 0  # bumped whenever a lock session opens
@@ -249,14 +256,13 @@ class Gate:
         # A claim already on its way may still start runs: let its step end first.
         with self._stepping, self._mutex:
             runs = list(self._runs.values())
-        for run in runs:
-            run.ctx.stopping.set()
+        self._stopping_runs.set()
         deadline = self.monotonic() + grace
-        for run in runs:
-            run.done.wait(max(0.0, deadline - self.monotonic()))
+        futures = [run.future for run in runs if run.future is not None]
+        wait(futures, timeout=max(0.0, deadline - self.monotonic()))
         self._flush_finishes(deadline)
         with self._mutex:
-            abandoned = [run for run in self._runs.values() if not run.done.is_set()]
+            abandoned = [run for run in self._runs.values() if not run.done]
         for run in abandoned:
             self._finished_run(run, "crashed", f"still running after shutdown_grace ({grace:g} s)")
         self._flush_finishes(self.monotonic() + max(5.0, self.heartbeat_every))
@@ -271,7 +277,7 @@ class Gate:
     def _flush_finishes(self, deadline: float) -> None:
         while self.monotonic() < deadline:
             with self._mutex:
-                if not self._finished and not any(run.done.is_set() for run in self._runs.values()):
+                if not self._finished and not any(run.done for run in self._runs.values()):
                     return
             self._wake()
             self._stopped.wait(0.02)
@@ -528,6 +534,8 @@ class Gate:
             scheduled_at=result.scheduled_at,
             instance=self.instance,
             run_id=result.run_id,
+            lock_lost=self._lock_lost,
+            stopping=self._stopping_runs,
             log=logging.LoggerAdapter(
                 logging.getLogger(f"scheduler.job.{job.name}"),
                 {
@@ -554,7 +562,7 @@ class Gate:
             skips_recovered=result.recovered,
             ping_url=job.ping_url,
         )
-        self._pool.submit(self._execute, run, started)
+        run.future = self._pool.submit(self._execute, run, started)
 
     def _execute(self, run: Run, started: events.RunStarted) -> None:
         self._emit(started)  # listeners are thread-safe
@@ -567,7 +575,6 @@ class Gate:
                 return  # already recorded (abandoned at shutdown)
             run.status, run.error = status, error
             self._finished.append(Finish(run, status, error, self.monotonic() - run.started))
-        run.done.set()
         self._wake()
 
     # -- finishes --------------------------------------------------------------------
@@ -667,8 +674,8 @@ class Gate:
             lost = [run for run in self._runs.values() if run.generation == self._generation]
             self._generation += 1
             self._connected = False
-        for run in lost:
-            run.ctx.lock_lost.set()
+            told, self._lock_lost = self._lock_lost, threading.Event()
+        told.set()  # every run of the lost session shares this event
         self.backend.close()
         self._retry_at = self.monotonic() + self._backoff.next_delay()
         self._emit(events.SessionLost(self.instance, reason, tuple(r.job.name for r in lost)))
@@ -681,14 +688,16 @@ class Gate:
                 continue
             with self._mutex:
                 doubtful = [r for r in self._runs.values() if r.generation == self._generation]
-            for run in doubtful:
-                if not run.ctx.lock_lost.is_set():
-                    log.error(
-                        "lock of %s can no longer be proven (no round trip for %.1f s)",
-                        run.job.name,
-                        self.monotonic() - self._last_proof,
-                    )
-                    run.ctx.lock_lost.set()
+                told = self._lock_lost
+            if doubtful and not told.is_set():
+                log.error(
+                    "locks of %s can no longer be proven (no round trip for %.1f s)",
+                    ", ".join(run.job.name for run in doubtful),
+                    self.monotonic() - self._last_proof,
+                )
+            # The session is replaced as soon as the dispatcher regains control
+            # (abort below makes sure it does): no new run ever gets this event.
+            told.set()
             # If the dispatcher is stuck in a call to a server that no longer
             # answers (a black-holed network), cut the call short.
             self.backend.abort()

@@ -308,3 +308,11 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(replicas, request)
     assert mine_a | mine_b == set(range(300, 340))  # every tick claimed, each once
     assert {o for k, o in first.items() if k not in mine_a} == {Outcome.YIELDED}
     assert {o for k, o in second.items() if k not in mine_b} == {Outcome.LOST}
+
+
+def test_errors_are_stored_exactly(replicas):
+    a = replicas("a")
+    error = 'ValueError: bad {"x": [1, 2]}, path C:\\temp\\x\nsecond line «ünïcode» NULL'
+    run = claim(a, tick(2))
+    finish(a, run, status="failed", error=error)
+    assert rows(a)[run.scheduled_at]["error"] == error

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -102,6 +102,29 @@ def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, An
         "tcp_user_timeout": int(holder_timeout * 1000),
     }
     return {k: v for k, v in wanted.items() if k not in query}
+
+
+def pg_array(values: Iterable[object]) -> str:
+    """A PostgreSQL array literal.
+
+    A claim sends several arrays of hundreds of values each; formatting the
+    literal here and casting it server-side costs a fraction of adapting every
+    element of a Python list.
+    """
+    items = []
+    for value in values:
+        if value is None:
+            items.append("NULL")
+        elif isinstance(value, bool):
+            items.append("t" if value else "f")
+        elif isinstance(value, int | float):
+            items.append(repr(value))
+        elif isinstance(value, datetime):
+            items.append(f'"{value.isoformat()}"')
+        else:
+            text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+            items.append(f'"{text}"')
+    return "{" + ",".join(items) + "}"
 
 
 def session_is_kept(url: str, instance: str) -> bool:
@@ -301,12 +324,12 @@ class PostgresBackend:
             "capacity": capacity,
             "takeover": TAKEOVER_S,
             "share_from": SHARE_FROM,
-            "keys": [r.key for r in requests],
-            "names": [r.name for r in requests],
-            "ticks": [r.scheduled_at for r in requests],
-            "intents": [str(r.intent) for r in requests],
-            "graces": [r.grace_s for r in requests],
-            "thresholds": [r.skip_threshold for r in requests],
+            "keys": pg_array(r.key for r in requests),
+            "names": pg_array(r.name for r in requests),
+            "ticks": pg_array(r.scheduled_at for r in requests),
+            "intents": pg_array(str(r.intent) for r in requests),
+            "graces": pg_array(r.grace_s for r in requests),
+            "thresholds": pg_array(r.skip_threshold for r in requests),
         }
         with self._session() as conn:
             rows = conn.execute(_CLAIM, params).all()
@@ -332,19 +355,19 @@ class PostgresBackend:
         with self._session() as conn:
             conn.execute(
                 text("SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k"),
-                {"ns": self.namespace, "keys": list(keys)},
+                {"ns": self.namespace, "keys": pg_array(keys)},
             )
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         params = {
             "ns": self.namespace,
-            "keys": [r.key for r in requests],
-            "ticks": [r.scheduled_at for r in requests],
-            "run_ids": [r.run_id for r in requests],
-            "statuses": [r.status for r in requests],
-            "errors": [r.error for r in requests],
-            "unlocks": [r.unlock for r in requests],
-            "thresholds": [r.fail_threshold for r in requests],
+            "keys": pg_array(r.key for r in requests),
+            "ticks": pg_array(r.scheduled_at for r in requests),
+            "run_ids": pg_array(r.run_id for r in requests),
+            "statuses": pg_array(r.status for r in requests),
+            "errors": pg_array(r.error for r in requests),
+            "unlocks": pg_array(r.unlock for r in requests),
+            "thresholds": pg_array(r.fail_threshold for r in requests),
         }
         with self._session() as conn:
             rows = conn.execute(_FINISH, params).all()
