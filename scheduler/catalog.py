@@ -69,6 +69,18 @@ class CatalogJob:
             return None
         return next_tick(self.trigger, now)
 
+    def as_json(self, now: datetime) -> dict[str, object]:
+        """What `scheduler jobs` and `scheduler status` say of every job."""
+        tick = self.next_tick(now)
+        return {
+            "name": self.name,
+            "key": self.key,
+            "schedule": self.describe(),
+            "timezone": self.timezone,
+            "enabled": self.enabled,
+            "next_tick": tick.isoformat() if tick else None,
+        }
+
 
 @dataclass(frozen=True)
 class Catalog:

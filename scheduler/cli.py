@@ -136,18 +136,7 @@ def _check(config: Config, catalog: Catalog) -> int:
 
 def _jobs(catalog: Catalog, *, as_json: bool) -> int:
     now = datetime.now(UTC)
-    rows = [
-        {
-            "name": job.name,
-            "key": job.key,
-            "schedule": job.describe(),
-            "timezone": job.timezone,
-            "enabled": job.enabled,
-            "next_tick": _iso(job.next_tick(now)),
-            "source": job.spec.source,
-        }
-        for job in catalog
-    ]
+    rows = [{**job.as_json(now), "source": job.spec.source} for job in catalog]
     if as_json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
@@ -265,10 +254,6 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
         + (f": {result.error}" if result.error else "")
     )
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value else None
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:

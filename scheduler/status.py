@@ -34,12 +34,7 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
             last = ledger.latest(conn, job.key, ledger.FINISHED)
             jobs.append(
                 {
-                    "name": job.name,
-                    "key": job.key,
-                    "schedule": job.describe(),
-                    "timezone": job.timezone,
-                    "enabled": job.enabled,
-                    "next_tick": _iso(job.next_tick(now)),
+                    **job.as_json(now),
                     "running": None
                     if run is None
                     else {

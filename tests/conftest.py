@@ -123,3 +123,33 @@ def database_url(run_database: str) -> Iterator[str]:
             " DROP TABLE IF EXISTS test_runs"
         )
     yield run_database
+
+
+@pytest.fixture(params=["postgresql", "embedded"])
+def backends(request, tmp_path):
+    """Opens backends of one kind, each standing for a replica: PostgreSQL, then embedded.
+
+    `make(instance, connect=True)`: on PostgreSQL each is a session of its own;
+    in embedded mode each has its own flock descriptors on one SQLite file.
+    """
+    from scheduler.backends.embedded import EmbeddedBackend
+    from scheduler.backends.postgres import PostgresBackend
+
+    opened = []
+
+    def make(instance: str, connect: bool = True):
+        if request.param == "postgresql":
+            url = request.getfixturevalue("database_url")
+            backend = PostgresBackend(url, instance=instance, namespace=4242, holder_timeout=30)
+        else:
+            backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance, namespace=4242)
+        backend.migrate()
+        if connect:
+            backend.connect()
+        opened.append(backend)
+        return backend
+
+    make.kind = request.param
+    yield make
+    for backend in opened:
+        backend.close()

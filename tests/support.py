@@ -32,6 +32,13 @@ def faketime_library() -> str:
     return str(found[0])
 
 
+def host_port(url: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 5432
+
+
 def with_database(url: str, name: str) -> str:
     base, _, _ = url.rpartition("/")
     return f"{base}/{name}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.support import Fleet, Proxy, parse_tick, wait_for
+from tests.support import Fleet, Proxy, host_port, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
@@ -170,7 +170,7 @@ def test_a_second_signal_exits_at_once(tmp_path, database_url):
 
 
 def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
-    host, port = _host_port(database_url)
+    host, port = host_port(database_url)
     proxy = Proxy(host, port)
     fleet = Fleet(
         tmp_path,
@@ -270,10 +270,3 @@ def _row(fleet: Fleet, tick: str) -> dict:
     rows = [r for r in fleet.ledger() if r["scheduled_at"] == parse_tick(tick)]
     assert len(rows) == 1, rows
     return rows[0]
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or 5432

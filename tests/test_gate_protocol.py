@@ -11,35 +11,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
-from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.postgres import PostgresBackend
 
-NAMESPACE = 4242
+NAMESPACE = 4242  # as the `backends` fixture
 KEY = 77
 
 
-@pytest.fixture(params=["postgresql", "embedded"])
-def replicas(request, tmp_path):
-    opened = []
-
-    def make(instance: str):
-        if request.param == "postgresql":
-            url = request.getfixturevalue("database_url")
-            backend = PostgresBackend(
-                url, instance=instance, namespace=NAMESPACE, holder_timeout=30
-            )
-        else:
-            backend = EmbeddedBackend(
-                tmp_path / "scheduler.db", instance=instance, namespace=NAMESPACE
-            )
-        backend.migrate()
-        backend.connect()
-        opened.append(backend)
-        return backend
-
-    yield make
-    for backend in opened:
-        backend.close()
+@pytest.fixture
+def replicas(backends):
+    return backends
 
 
 def tick(seconds_ago: float = 0.0) -> datetime:
@@ -289,10 +269,15 @@ def test_a_replica_wins_no_more_runs_than_its_free_workers(replicas):
     assert won_by_a == {r.key for r in second if r.outcome is Outcome.LOST}
 
 
-def test_replicas_claiming_a_burst_first_try_their_own_shares(replicas, request):
-    if "embedded" in request.node.name:
-        pytest.skip("one host, one SQLite writer at a time: nothing to spread")
-    a, b = replicas("a"), replicas("b")
+def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
+    """PostgreSQL only: in embedded mode one SQLite writer at a time has nothing to spread."""
+    a, b = (
+        PostgresBackend(database_url, instance=name, namespace=NAMESPACE, holder_timeout=30)
+        for name in "ab"
+    )
+    a.migrate()
+    a.connect()
+    b.connect()
     t = tick(-5)  # a burst just due (a clock ahead fires early): shares apply
     requests = [
         ClaimRequest(
@@ -308,6 +293,8 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(replicas, request)
     assert mine_a | mine_b == set(range(300, 340))  # every tick claimed, each once
     assert {o for k, o in first.items() if k not in mine_a} == {Outcome.YIELDED}
     assert {o for k, o in second.items() if k not in mine_b} == {Outcome.LOST}
+    a.close()
+    b.close()
 
 
 def test_errors_are_stored_exactly(replicas):

@@ -9,37 +9,18 @@ import pytest
 
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
-from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.catalog import Catalog
 from scheduler.config import Settings
 from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
 from tests.test_gate import make_job
 
-NAMESPACE = 4444
+NAMESPACE = 4242  # as the `backends` fixture
 
 
-@pytest.fixture(params=["postgresql", "embedded"])
-def backend_factory(request, tmp_path):
-    opened = []
-
-    def make(instance: str):
-        if request.param == "postgresql":
-            url = request.getfixturevalue("database_url")
-            backend = PostgresBackend(
-                url, instance=instance, namespace=NAMESPACE, holder_timeout=30
-            )
-        else:
-            backend = EmbeddedBackend(
-                tmp_path / "scheduler.db", instance=instance, namespace=NAMESPACE
-            )
-        backend.migrate()
-        opened.append(backend)
-        return backend
-
-    yield make
-    for backend in opened:
-        backend.close()
+@pytest.fixture
+def backend_factory(backends):
+    return lambda instance: backends(instance, connect=False)
 
 
 def sweep_missed(keeper: Housekeeping, previous: datetime, now: datetime) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Fleet, Proxy, Receiver, cli, free_port, wait_for
+from tests.support import Fleet, Proxy, Receiver, cli, free_port, host_port, wait_for
 
 pytestmark = pytest.mark.fleet
 
@@ -63,7 +63,7 @@ def _require(tool: str, package: str) -> str:
 
 def test_health_readiness_and_metrics(tmp_path, database_url):
     promtool = _require("promtool", "prometheus")
-    host, port = _host_port(database_url)
+    host, port = host_port(database_url)
     proxy = Proxy(host, port)
     http_port = free_port()
     fleet = Fleet(
@@ -226,7 +226,7 @@ def test_json_logs_parse_and_no_secret_ever_appears(tmp_path, database_url):
 def pgbouncer(mode: str, database_url: str) -> Iterator[str]:
     """Debian's pgbouncer in front of the test database; yields its URL."""
     binary = _require("pgbouncer", "pgbouncer")
-    host, port = _host_port(database_url)
+    host, port = host_port(database_url)
     listen = free_port()
     # Outside pytest's private tmp_path: as root, pgbouncer runs as nobody.
     folder = Path(tempfile.mkdtemp(prefix=f"pgbouncer-{mode}-"))
@@ -278,10 +278,3 @@ def test_pgbouncer_in_session_mode_works(tmp_path, database_url):
             assert fleet.stop() == {"r1": 0}
         finally:
             fleet.kill_all()
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or 5432
