@@ -6,8 +6,10 @@ The whole story, in order:
    time, computed identically everywhere (see `scheduler.schedules`); it is
    the tick's identity, never "now".
 2. `submit` queues the tick. The dispatcher thread, which alone talks to the
-   backend, takes every queued tick at once and asks the backend to claim
-   the batch in one round trip (`Backend.claim`).
+   backend, takes every queued tick at once (APScheduler hands over a burst
+   of due ticks whole) and asks the backend to claim the batch in one round
+   trip (`Backend.claim`), winning at most as many runs as it has free
+   workers: the rest stay unclaimed, for later or for another replica.
 3. The claim is an INSERT of the row (J.key, T) into the ledger. Its primary
    key lets exactly one replica win; the others are told `lost` and are done.
    This is what makes a tick run once when clocks are skewed or a job
