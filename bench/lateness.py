@@ -1,6 +1,6 @@
 """Fire lateness and sessions per replica for a small fleet.
 
-    python bench/lateness.py [--replicas 3] [--jobs 10] [--seconds 30]
+    python bench/lateness.py [--replicas 3] [--jobs 10] [--seconds 30] [--max-workers 10]
 
 Starts real `scheduler run` replicas against a fresh database on the local
 PostgreSQL (SCHEDULER_BENCH_DATABASE_URL, default postgresql://postgres@127.0.0.1:5432/postgres),
@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--job-seconds", type=float, default=0.001, help="how long each run takes")
+    parser.add_argument("--max-workers", type=int, default=10, help="SCHEDULER_MAX_WORKERS")
     args = parser.parse_args()
 
     name = f"scheduler_bench_{uuid.uuid4().hex[:8]}"
@@ -72,6 +73,7 @@ def main() -> int:
             SCHEDULER_DATABASE_URL=url,
             SCHEDULER_INSTANCE_NAME=f"bench-{r}",
             SCHEDULER_CONFIG=str(root / "config.yaml"),
+            SCHEDULER_MAX_WORKERS=str(args.max_workers),
         )
         replicas.append(
             subprocess.Popen(

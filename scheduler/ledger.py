@@ -86,7 +86,7 @@ ticks = Table(
     Column("error", Text),
     Column("manual", Boolean, nullable=False, server_default=false()),
     CheckConstraint(
-        "status IN ('running', 'succeeded', 'failed', 'skipped', 'crashed', 'missed')",
+        "status IN (" + ", ".join(f"'{status}'" for status in STATUSES) + ")",
         name="scheduler_ticks_status",
     ),
     Index("scheduler_ticks_scheduled_at", "scheduled_at"),
