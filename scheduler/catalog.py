@@ -6,8 +6,9 @@ leaf like its inputs: no database code.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from apscheduler.triggers.base import BaseTrigger
@@ -33,14 +34,15 @@ class CatalogJob:
     skip_threshold: int
     fail_threshold: int
     misfire_grace: timedelta
+    # Copied from the spec (read for every tick, so plain attributes).
+    name: str = field(init=False)
+    key: int = field(init=False)
+    log: logging.Logger = field(init=False, repr=False, compare=False)
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def key(self) -> int:
-        return self.spec.key
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.spec.name)
+        object.__setattr__(self, "key", self.spec.key)
+        object.__setattr__(self, "log", logging.getLogger(f"scheduler.job.{self.spec.name}"))
 
     @property
     def enabled(self) -> bool:

@@ -236,7 +236,7 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
         instance=settings.instance_name,
         max_workers=1,
         holder_timeout=settings.holder_timeout,
-        listeners=[RunLog()],
+        listeners=[RunLog(structured=settings.log_format == "json")],
     )
     gate.start()
     try:

@@ -31,7 +31,7 @@ from scheduler.config import Config
 from scheduler.errors import one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
-from scheduler.logs import RunLog
+from scheduler.logs import RunLog, stop_logging
 from scheduler.pings import Pings
 from scheduler.schedules import ticks_between
 
@@ -147,7 +147,12 @@ class Daemon:
             on_alert=self.metrics.alert if self.metrics else None,
         )
         self.pings = Pings()
-        observers = [RunLog(), alerts, self.pings, *([self.metrics] if self.metrics else [])]
+        observers = [
+            RunLog(structured=self.settings.log_format == "json"),
+            alerts,
+            self.pings,
+            *([self.metrics] if self.metrics else []),
+        ]
         self.listeners: list[events.Listener] = [*observers, *listeners]
         self.gate = Gate(
             self.backend,
@@ -228,6 +233,7 @@ class Daemon:
         self._close()
         if abandoned:
             log.error("gave up waiting for %s; recorded crashed", ", ".join(abandoned))
+            stop_logging()
             os._exit(0)  # their threads cannot be stopped; the locks are already released
         log.info("stopped cleanly; every lock released")
         return 0

@@ -419,6 +419,13 @@ class Gate:
             self._requeue(batch)
             return
         jobs = {job.key: job for job, _, _ in batch}
+        # Start the runs before any bookkeeping: their lateness is what counts.
+        for result in results:
+            if result.outcome is Outcome.RUN:
+                self._start_run(jobs[result.key], result, manual=False)
+        for result in results:
+            if result.outcome is not Outcome.RUN:
+                self._claimed(jobs[result.key], result, manual=None)
         # No free worker for these yet: they are tried again when one frees.
         self._requeue(
             [
@@ -436,8 +443,6 @@ class Gate:
             ],
             not_before=self.monotonic() + YIELDED_RETRY,
         )
-        for result in results:
-            self._claimed(jobs[result.key], result, manual=None)
 
     def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
         """One round trip; a failed claim may leave locks it took (they outlive rollbacks)."""
@@ -539,7 +544,7 @@ class Gate:
             lock_lost=self._lock_lost,
             stopping=self._stopping_runs,
             log=logging.LoggerAdapter(
-                logging.getLogger(f"scheduler.job.{job.name}"),
+                job.log,
                 {
                     "job": job.name,
                     "key": job.key,
@@ -576,8 +581,10 @@ class Gate:
             if run.status is not None:
                 return  # already recorded (abandoned at shutdown)
             run.status, run.error = status, error
+            first = not self._finished
             self._finished.append(Finish(run, status, error, self.monotonic() - run.started))
-        self._wake()
+        if first:
+            self._wake()  # later ones join the batch the dispatcher is about to take
 
     # -- finishes --------------------------------------------------------------------
 

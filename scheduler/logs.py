@@ -6,8 +6,11 @@ ends, one per skip, per missed tick and per lost session.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import logging.handlers
+import queue
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -38,20 +41,59 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
 
+class _InProcessQueueHandler(logging.handlers.QueueHandler):
+    """Hands records to the writer thread as they are: formatting happens there too."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+_listener: logging.handlers.QueueListener | None = None
+
+
 def setup_logging(fmt: str, level: int = logging.INFO) -> None:
+    """Log to stderr from a writer thread, so a run's lines never wait for the terminal.
+
+    `stop_logging` (registered at exit) writes out whatever is still queued.
+    """
+    global _listener
+    stop_logging()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    _listener = logging.handlers.QueueListener(records, handler)
+    _listener.start()
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_InProcessQueueHandler(records)]
     root.setLevel(level)
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    atexit.register(stop_logging)
+    # Two lines per run add up at hundreds of runs a second. Neither format shows
+    # the caller's file and line, thread or process, so the logging module need
+    # not look them up for every record (the optimizations its HOWTO lists).
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+
+
+def stop_logging() -> None:
+    global _listener
+    if _listener is not None:
+        _listener.stop()  # writes every queued record first
+        _listener = None
 
 
 class RunLog:
-    """The gate's outcomes as log lines."""
+    """The gate's outcomes as log lines.
 
-    def __init__(self, logger: logging.Logger | None = None) -> None:
+    With `structured`, each line also carries the event's fields (for JSON
+    logs); text logs say everything in the message and skip building them.
+    """
+
+    def __init__(self, logger: logging.Logger | None = None, structured: bool = False) -> None:
         self.log = logger or logging.getLogger("scheduler.runs")
+        self.structured = structured
 
     def __call__(self, event: events.Event) -> None:
         if isinstance(event, events.RunStarted):
@@ -61,7 +103,7 @@ class RunLog:
                 event.scheduled_at.isoformat(),
                 event.run_id,
                 event.lateness_s,
-                extra=_fields(
+                extra=self._fields(
                     event,
                     "job",
                     "key",
@@ -77,7 +119,7 @@ class RunLog:
                     "%s: %d earlier run(s) recorded crashed (their replica died or lost the lock)",
                     event.job,
                     event.crashed,
-                    extra=_fields(event, "job", "key"),
+                    extra=self._fields(event, "job", "key"),
                 )
         elif isinstance(event, events.RunFinished):
             level = logging.INFO if event.status == "succeeded" else logging.WARNING
@@ -92,7 +134,7 @@ class RunLog:
                 event.duration_s,
                 f": {event.error}" if event.error else "",
                 note,
-                extra=_fields(
+                extra=self._fields(
                     event,
                     "job",
                     "key",
@@ -116,7 +158,7 @@ class RunLog:
                 event.holder or "?",
                 since,
                 event.consecutive_skips,
-                extra=_fields(
+                extra=self._fields(
                     event, "job", "key", "scheduled_at", "instance", "holder", "consecutive_skips"
                 ),
             )
@@ -125,7 +167,7 @@ class RunLog:
                 "tick missed: %s tick %s could not start within its misfire grace",
                 event.job,
                 event.scheduled_at.isoformat(),
-                extra=_fields(event, "job", "key", "scheduled_at", "instance"),
+                extra=self._fields(event, "job", "key", "scheduled_at", "instance"),
             )
         elif isinstance(event, events.SessionUp):
             self.log.info("lock session up (%s)", event.backend, extra={"instance": event.instance})
@@ -137,10 +179,11 @@ class RunLog:
                 extra={"instance": event.instance, "lost_runs": list(event.runs)},
             )
 
-
-def _fields(event: object, *names: str) -> dict[str, Any]:
-    out = {}
-    for name in names:
-        value = getattr(event, name)
-        out[name] = value.isoformat() if isinstance(value, datetime) else value
-    return out
+    def _fields(self, event: object, *names: str) -> dict[str, Any] | None:
+        if not self.structured:
+            return None
+        out = {}
+        for name in names:
+            value = getattr(event, name)
+            out[name] = value.isoformat() if isinstance(value, datetime) else value
+        return out

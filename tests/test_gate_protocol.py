@@ -6,12 +6,13 @@ they are two sessions; in embedded mode two sets of flock descriptors.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
-from scheduler.backends.postgres import PostgresBackend
+from scheduler.backends.postgres import PostgresBackend, share_of
 
 NAMESPACE = 4242  # as the `backends` fixture
 KEY = 77
@@ -293,6 +294,14 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
     assert mine_a | mine_b == set(range(300, 340))  # every tick claimed, each once
     assert {o for k, o in first.items() if k not in mine_a} == {Outcome.YIELDED}
     assert {o for k, o in second.items() if k not in mine_b} == {Outcome.LOST}
+    # Each replica learned the fleet from its claim, and computes the shares as the
+    # server does: the next burst's other shares are not even sent.
+    (live, rank_a), (_, rank_b) = a._fleet, b._fleet
+    assert live == 2 and {rank_a, rank_b} == {0, 1}
+    assert {share_of(k, live) for k in mine_a} == {rank_a}
+    later = [replace(r, scheduled_at=r.scheduled_at + timedelta(seconds=1)) for r in requests]
+    sent, held = a._split_shares(later)
+    assert {r.key for r in sent} == mine_a and {r.key for r in held} == mine_b
     a.close()
     b.close()
 

@@ -22,7 +22,7 @@ import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -36,6 +36,7 @@ from scheduler.backends.base import (
     ClaimResult,
     FinishRequest,
     FinishResult,
+    Intent,
     Outcome,
     SessionLost,
     Unavailable,
@@ -102,6 +103,11 @@ def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, An
         "tcp_user_timeout": int(holder_timeout * 1000),
     }
     return {k: v for k, v in wanted.items() if k not in query}
+
+
+def share_of(key: int, live: int) -> int:
+    """Which live replica's share a job key falls in (as in postgres.sql)."""
+    return (key * 2654435761) % 4294967296 % live
 
 
 def pg_array(values: Iterable[object]) -> str:
@@ -194,6 +200,7 @@ class PostgresBackend:
         )
         event.listen(self.ledger_engine, "connect", self._ledger_session_settings)
         self._conn: Connection | None = None
+        self._fleet = (1, 0)  # live replicas and this one's rank, as of the last claim
 
     def _ledger_session_settings(self, dbapi_connection: Any, _record: Any) -> None:
         """A replica frozen mid-transaction must not hold ledger rows for long."""
@@ -318,22 +325,32 @@ class PostgresBackend:
     def claim(
         self, requests: Sequence[ClaimRequest], instance: str, capacity: int
     ) -> list[ClaimResult]:
+        """One call to scheduler_claim; other replicas' shares of a burst are not even sent.
+
+        The share rule is the SQL function's (which stays the judge): while the
+        fleet looks as it did at the last claim, a tick of another replica's
+        share comes back `yielded` without a round trip, unless it is old
+        enough for anyone to take.
+        """
+        sent, yielded = self._split_shares(requests)
         params = {
             "ns": self.namespace,
             "instance": instance,
             "capacity": capacity,
             "takeover": TAKEOVER_S,
             "share_from": SHARE_FROM,
-            "keys": pg_array(r.key for r in requests),
-            "names": pg_array(r.name for r in requests),
-            "ticks": pg_array(r.scheduled_at for r in requests),
-            "intents": pg_array(str(r.intent) for r in requests),
-            "graces": pg_array(r.grace_s for r in requests),
-            "thresholds": pg_array(r.skip_threshold for r in requests),
+            "keys": pg_array(r.key for r in sent),
+            "names": pg_array(r.name for r in sent),
+            "ticks": pg_array(r.scheduled_at for r in sent),
+            "intents": pg_array(str(r.intent) for r in sent),
+            "graces": pg_array(r.grace_s for r in sent),
+            "thresholds": pg_array(r.skip_threshold for r in sent),
         }
         with self._session() as conn:
-            rows = conn.execute(_CLAIM, params).all()
-        return [
+            rows = conn.execute(_CLAIM, params).all() if sent else []
+        if rows:
+            self._fleet = (rows[0].live, rows[0].rank)
+        results = [
             ClaimResult(
                 key=row.job_key,
                 scheduled_at=row.scheduled_at,
@@ -349,6 +366,23 @@ class PostgresBackend:
             )
             for row in rows
         ]
+        results += [ClaimResult(r.key, r.scheduled_at, Outcome.YIELDED) for r in yielded]
+        return results
+
+    def _split_shares(
+        self, requests: Sequence[ClaimRequest]
+    ) -> tuple[list[ClaimRequest], list[ClaimRequest]]:
+        live, rank = self._fleet
+        if live <= 1 or len(requests) < SHARE_FROM:
+            return list(requests), []
+        young = datetime.now(UTC) - timedelta(seconds=TAKEOVER_S)
+        sent, yielded = [], []
+        for r in requests:
+            theirs = (
+                r.intent is Intent.RUN and share_of(r.key, live) != rank and r.scheduled_at > young
+            )
+            (yielded if theirs else sent).append(r)
+        return sent, yielded
 
     def release(self, keys: Sequence[int]) -> None:
         """Release locks a failed claim may have taken (they outlive a rollback)."""

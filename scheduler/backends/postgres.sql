@@ -45,7 +45,9 @@ CREATE OR REPLACE FUNCTION scheduler_claim(
     consecutive_skips integer,
     alert             boolean,
     recovered         boolean,
-    crashed           integer
+    crashed           integer,
+    live              integer,
+    rank              integer
 ) LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -67,6 +69,17 @@ DECLARE
     v_run_ids bigint[] := '{}';
     v_started timestamptz[] := '{}';
 BEGIN
+    -- The live replicas (see the claim below), reported with every row so that a
+    -- replica can leave other replicas' shares out of its next batch.
+    SELECT count(*)::integer, (count(*) FILTER (WHERE l.pid < pg_backend_pid()))::integer
+      INTO v_live, v_rank
+      FROM pg_locks l
+     WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock'
+       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+       AND l.classid = (p_namespace::bigint & 4294967295)::oid
+       AND l.objid = 0 AND l.objsubid = 2;
+    live := v_live;
+    rank := v_rank;
     -- Manual runs (`scheduler trigger`) have a tick of their own: only the lock can stop them.
     FOR r IN
         SELECT q.key, q.name, q.tick
@@ -76,7 +89,7 @@ BEGIN
         IF NOT pg_try_advisory_lock(p_namespace, r.key) THEN
             RETURN QUERY
             SELECT r.key, r.tick, 'held', NULL::bigint, NULL::timestamptz, t.instance,
-                   t.started_at, NULL::integer, false, false, 0
+                   t.started_at, NULL::integer, false, false, 0, live, rank
               FROM (SELECT NULL) AS one
               LEFT JOIN LATERAL (
                   SELECT t.instance, t.started_at FROM scheduler_ticks t
@@ -98,7 +111,8 @@ BEGIN
         ELSE
             PERFORM pg_advisory_unlock(p_namespace, r.key);
             RETURN QUERY SELECT r.key, r.tick, 'lost', NULL::bigint, NULL::timestamptz,
-                                NULL::text, NULL::timestamptz, NULL::integer, false, false, 0;
+                                NULL::text, NULL::timestamptz, NULL::integer, false, false, 0,
+                                live, rank;
         END IF;
     END LOOP;
 
@@ -119,7 +133,7 @@ BEGIN
     SELECT late.key, late.tick,
            CASE WHEN recorded.job_key IS NULL THEN 'lost' ELSE 'missed' END,
            NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::integer,
-           false, false, 0
+           false, false, 0, live, rank
       FROM late
       LEFT JOIN recorded ON recorded.job_key = late.key AND recorded.scheduled_at = late.tick;
 
@@ -127,7 +141,8 @@ BEGIN
     --
     -- Replicas claim each burst of ticks at the same moment. Each live replica
     -- (a session holding the shared presence lock (lock_namespace, 0)) first
-    -- tries its own share of the ticks, by a hash of the job key, so that the
+    -- tries its own share of the ticks, by a hash of the job key (Knuth's
+    -- multiplicative hash, which the replica can compute too), so that the
     -- replicas insert different rows side by side instead of queueing behind
     -- each other's uncommitted rows. A tick still unclaimed p_takeover seconds
     -- after its time is tried by every replica: a share whose replica is frozen
@@ -135,21 +150,15 @@ BEGIN
     -- p_capacity runs (this replica's free workers), ticks are `deferred`.
     -- (Bursts smaller than p_share_from ticks are not worth spreading: every
     -- replica tries them all, and the others' tries cost no second round trip.)
-    SELECT count(*)::integer, (count(*) FILTER (WHERE l.pid < pg_backend_pid()))::integer
-      INTO v_live, v_rank
-      FROM pg_locks l
-     WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock'
-       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-       AND l.classid = (p_namespace::bigint & 4294967295)::oid
-       AND l.objid = 0 AND l.objsubid = 2;
+
     IF cardinality(p_keys) < p_share_from THEN
-        v_live := 1;
+        v_live := 1;  -- every replica tries every tick (`live` still reports the fleet)
     END IF;
     WITH q AS (
         SELECT q.key, q.name, q.tick, q.intent, q.threshold,
                EXISTS (SELECT 1 FROM scheduler_ticks t
                         WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken,
-               v_live <= 1 OR mod(abs(hashtext(q.key::text)), v_live) = v_rank
+               v_live <= 1 OR mod(mod(q.key::bigint * 2654435761, 4294967296), v_live) = v_rank
                    OR now() - q.tick >= make_interval(secs => p_takeover) AS mine
           FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
                AS q(key, name, tick, intent, grace, threshold)
@@ -195,7 +204,7 @@ BEGIN
 
     RETURN QUERY
     SELECT o.key, o.tick, o.fate, NULL::bigint, NULL::timestamptz, NULL::text,
-           NULL::timestamptz, NULL::integer, false, false, 0
+           NULL::timestamptz, NULL::integer, false, false, 0, live, rank
       FROM unnest(v_other_keys, v_other_ticks, v_other_fates) AS o(key, tick, fate);
 
     -- The ticks this replica won: the lock decides run or skip (in the common order).
@@ -275,7 +284,7 @@ BEGIN
     )
     SELECT runs.key, runs.tick, 'run', runs.run_id, runs.started, NULL::text,
            NULL::timestamptz, coalesce(streaks.ended, 0), false,
-           coalesce(streaks.alerted, false), coalesce(stale_per_job.n, 0)
+           coalesce(streaks.alerted, false), coalesce(stale_per_job.n, 0), live, rank
       FROM runs
       LEFT JOIN streaks ON streaks.job_key = runs.key
       LEFT JOIN stale_per_job ON stale_per_job.job_key = runs.key;
