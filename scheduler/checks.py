@@ -12,7 +12,12 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from scheduler.backends.postgres import POOLER_MESSAGE, connect_args, redact, session_is_kept
+from scheduler.backends.postgres import (
+    POOLER_MESSAGE,
+    redact,
+    session_is_kept,
+    short_connection,
+)
 from scheduler.errors import one_line
 
 MIN_SERVER_VERSION = 140000  # idle_session_timeout arrived in PostgreSQL 14
@@ -26,23 +31,12 @@ class Check:
     fatal: bool = True
 
 
-def _conninfo(url: str, instance: str) -> dict[str, object]:
-    args = connect_args(instance, 30.0, url)
-    args["connect_timeout"] = 5
-    return args
-
-
-def _plain_url(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
 def database_checks(url: str, instance: str) -> list[Check]:
     checks: list[Check] = []
     try:
-        conn = psycopg.connect(_plain_url(url), autocommit=True, **_conninfo(url, instance))  # type: ignore[arg-type]
+        conn = short_connection(url, instance)
     except psycopg.Error as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [Check("connect", False, f"{redact(url)}: {message}")]
+        return [Check("connect", False, f"{redact(url)}: {one_line(exc)}")]
     with conn:
         checks.append(Check("connect", True, redact(url)))
         version = conn.info.server_version

@@ -79,6 +79,17 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
+    return ClaimRequest(
+        key=job.key,
+        name=job.name,
+        scheduled_at=tick,
+        intent=intent,
+        grace_s=job.misfire_grace.total_seconds(),
+        skip_threshold=job.skip_threshold,
+    )
+
+
 @dataclass
 class Run:
     """A run executing on this replica."""
@@ -398,17 +409,7 @@ class Gate:
                 del self._pending[key]
         if not batch:
             return
-        requests = [
-            ClaimRequest(
-                key=job.key,
-                name=job.name,
-                scheduled_at=tick,
-                intent=intent,
-                grace_s=job.misfire_grace.total_seconds(),
-                skip_threshold=job.skip_threshold,
-            )
-            for job, tick, intent in batch
-        ]
+        requests = [claim_request(job, tick, intent) for job, tick, intent in batch]
         try:
             results = self._claim(requests, capacity)
         except SessionLost:
@@ -425,7 +426,7 @@ class Gate:
                 self._start_run(jobs[result.key], result, manual=False)
         for result in results:
             if result.outcome is not Outcome.RUN:
-                self._claimed(jobs[result.key], result, manual=None)
+                self._claimed(jobs[result.key], result, manual=False)
         # No free worker for these yet: they are tried again when one frees.
         self._requeue(
             [
@@ -483,14 +484,7 @@ class Gate:
                 out.append(ManualResult(Outcome.HELD, holder=self.instance))
                 done.set()
                 continue
-            request = ClaimRequest(
-                key=job.key,
-                name=job.name,
-                scheduled_at=tick,
-                intent=Intent.MANUAL,
-                grace_s=job.misfire_grace.total_seconds(),
-                skip_threshold=job.skip_threshold,
-            )
+            request = claim_request(job, tick, Intent.MANUAL)
             try:
                 (result,) = self._claim([request], capacity=1)
             except SessionLost:
@@ -506,11 +500,11 @@ class Gate:
             else:
                 out.append(ManualResult(result.outcome, holder=result.holder))
                 done.set()
-            self._claimed(job, result, manual=done)
+            self._claimed(job, result, manual=True)
 
-    def _claimed(self, job: CatalogJob, result: ClaimResult, manual: object) -> None:
+    def _claimed(self, job: CatalogJob, result: ClaimResult, manual: bool) -> None:
         if result.outcome is Outcome.RUN:
-            self._start_run(job, result, manual=manual is not None)
+            self._start_run(job, result, manual=manual)
         elif result.outcome is Outcome.SKIPPED:
             self._emit(
                 events.TickSkipped(

@@ -153,11 +153,11 @@ class TickRow:
         return {
             "job": self.job,
             "key": self.key,
-            "scheduled_at": _iso(self.scheduled_at),
+            "scheduled_at": iso(self.scheduled_at),
             "instance": self.instance,
             "status": self.status,
-            "started_at": _iso(self.started_at),
-            "finished_at": _iso(self.finished_at),
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
             "duration_s": self.duration_s,
             "error": self.error,
             "run_id": self.run_id,
@@ -166,7 +166,7 @@ class TickRow:
         }
 
 
-def _iso(value: datetime | None) -> str | None:
+def iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 

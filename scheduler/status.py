@@ -39,8 +39,8 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                     if run is None
                     else {
                         "instance": run.instance,
-                        "since": _iso(run.started_at),
-                        "scheduled_at": _iso(run.scheduled_at),
+                        "since": ledger.iso(run.started_at),
+                        "scheduled_at": ledger.iso(run.scheduled_at),
                         "run_id": run.run_id,
                         "lock_held_by": holders.get(job.key),
                     },
@@ -48,9 +48,9 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                     if last is None
                     else {
                         "status": last.status,
-                        "scheduled_at": _iso(last.scheduled_at),
+                        "scheduled_at": ledger.iso(last.scheduled_at),
                         "instance": last.instance,
-                        "finished_at": _iso(last.finished_at),
+                        "finished_at": ledger.iso(last.finished_at),
                         "duration_s": last.duration_s,
                         "error": last.error,
                         "run_id": last.run_id,
@@ -65,12 +65,8 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
     return {
         "backend": backend.name,
         "instances": [
-            {"name": i["name"], "since": _iso(i.get("since")), "address": i.get("address")}
+            {"name": i["name"], "since": ledger.iso(i.get("since")), "address": i.get("address")}
             for i in instances
         ],
         "jobs": jobs,
     }
-
-
-def _iso(value: Any) -> str | None:
-    return value.isoformat() if isinstance(value, datetime) else value

@@ -254,6 +254,21 @@ class Fleet:
         lines = self.evidence_path.read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
 
+    def starts(self, instance: str | None = None) -> list[dict[str, Any]]:
+        """Runs that started (on `instance`), from the jobs' own evidence."""
+        return self._events("start", instance)
+
+    def ends(self, instance: str | None = None) -> list[dict[str, Any]]:
+        """Runs of `exclusive` jobs that ended (on `instance`)."""
+        return self._events("end", instance)
+
+    def _events(self, kind: str, instance: str | None) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.evidence()
+            if e.get("event", "start") == kind and instance in (None, e["instance"])
+        ]
+
     def ledger(self, job: str | None = None) -> list[dict[str, Any]]:
         assert self.database_url
         with psycopg.connect(self.database_url) as conn:

@@ -36,24 +36,8 @@ def three_seconds(ctx: RunContext) -> None:
 """
 
 
-def starts(fleet: Fleet, instance: str | None = None) -> list[dict]:
-    return [
-        e
-        for e in fleet.evidence()
-        if e.get("event") == "start" and (instance is None or e["instance"] == instance)
-    ]
-
-
-def ends(fleet: Fleet, instance: str | None = None) -> list[dict]:
-    return [
-        e
-        for e in fleet.evidence()
-        if e.get("event") == "end" and (instance is None or e["instance"] == instance)
-    ]
-
-
 def assert_no_tick_twice(fleet: Fleet) -> None:
-    counts = Counter((e["job"], e["tick"]) for e in starts(fleet))
+    counts = Counter((e["job"], e["tick"]) for e in fleet.starts())
     twice = {k: n for k, n in counts.items() if n > 1}
     assert not twice, f"ticks run twice: {twice}\n{fleet.logs()}"
 
@@ -72,13 +56,13 @@ def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
     fleet.start("r2")
     try:
         fleet.wait_ready()
-        first = wait_for(lambda: starts(fleet), 30, "the long job to start")[0]
+        first = wait_for(lambda: fleet.starts(), 30, "the long job to start")[0]
         victim = fleet.replicas[first["instance"]]
         survivor = next(r for r in fleet.replicas.values() if r is not victim)
         victim.signal(signal.SIGSTOP)
         frozen_at = time.time()
 
-        taken = wait_for(lambda: starts(fleet, survivor.name), 30, "a takeover")[0]
+        taken = wait_for(lambda: fleet.starts(survivor.name), 30, "a takeover")[0]
         assert taken["at"] - frozen_at <= 12, f"took {taken['at'] - frozen_at:.1f} s"
         assert taken["run_id"] > first["run_id"]
         survivor_row = _row(fleet, taken["tick"])
@@ -86,7 +70,7 @@ def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
 
         victim.signal(signal.SIGCONT)
         resumed_at = time.time()
-        late = wait_for(lambda: ends(fleet, victim.name), 40, "the stale run to finish")[0]
+        late = wait_for(lambda: fleet.ends(victim.name), 40, "the stale run to finish")[0]
         assert late["lock_lost"], "the stale run was never told it lost its lock"
         assert late["lock_lost_at"] - resumed_at <= 5, "lock_lost came too late"
         # Its late finish changed no one else's record.
@@ -101,7 +85,7 @@ def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
     assert codes == {"r1": 0, "r2": 0}, fleet.logs()
     assert_no_tick_twice(fleet)
     # Overlap happened only with the run that had lost its lock.
-    assert all(e["instance"] == survivor.name for e in starts(fleet) if e.get("overlap"))
+    assert all(e["instance"] == survivor.name for e in fleet.starts() if e.get("overlap"))
 
 
 def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, database_url):
@@ -110,7 +94,7 @@ def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, data
     fleet.start("r2")
     try:
         fleet.wait_ready()
-        wait_for(lambda: len(starts(fleet)) >= 3, 30, "a few runs")
+        wait_for(lambda: len(fleet.starts()) >= 3, 30, "a few runs")
         with psycopg.connect(database_url, autocommit=True) as admin:
             killed = admin.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
@@ -119,7 +103,7 @@ def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, data
         killed_at = time.time()
         assert killed >= 2
         resumed = wait_for(
-            lambda: [e for e in starts(fleet) if e["at"] > killed_at + 0.01], 30, "a new run"
+            lambda: [e for e in fleet.starts() if e["at"] > killed_at + 0.01], 30, "a new run"
         )[0]
         assert resumed["at"] - killed_at <= 3, f"ticks resumed after {resumed['at'] - killed_at} s"
         time.sleep(3)
@@ -139,7 +123,7 @@ def test_sigterm_mid_run_lets_the_run_finish_and_starts_nothing_new(tmp_path, da
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
-        first = wait_for(lambda: starts(fleet), 30, "the run to start")[0]
+        first = wait_for(lambda: fleet.starts(), 30, "the run to start")[0]
         wait_for(lambda: time.time() >= first["at"] + 1, 5, "one second into the run")
         replica.signal(signal.SIGTERM)
         signalled_at = time.time()
@@ -147,9 +131,9 @@ def test_sigterm_mid_run_lets_the_run_finish_and_starts_nothing_new(tmp_path, da
     finally:
         fleet.kill_all()
     assert code == 0, fleet.logs()
-    finished = ends(fleet)
+    finished = fleet.ends()
     assert [e["run_id"] for e in finished] == [first["run_id"]], fleet.logs()
-    assert not [e for e in starts(fleet) if e["at"] > signalled_at]
+    assert not [e for e in fleet.starts() if e["at"] > signalled_at]
     assert _row(fleet, first["tick"])["status"] == "succeeded"
     assert "every lock released" in replica.log()
 
@@ -159,7 +143,7 @@ def test_a_second_signal_exits_at_once(tmp_path, database_url):
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
-        wait_for(lambda: starts(fleet), 30, "the run to start")
+        wait_for(lambda: fleet.starts(), 30, "the run to start")
         replica.signal(signal.SIGTERM)
         wait_for(lambda: "stopping" in replica.log(), 10, "the first signal to be handled")
         replica.signal(signal.SIGINT)
@@ -182,19 +166,19 @@ def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
     cut_off = fleet.start("cut", env={"SCHEDULER_DATABASE_URL": proxy.url(database_url)})
     try:
         fleet.wait_ready()
-        first = wait_for(lambda: starts(fleet, "cut"), 30, "the long job to start")[0]
+        first = wait_for(lambda: fleet.starts("cut"), 30, "the long job to start")[0]
         other = fleet.start("other")
         fleet.wait_ready()
         proxy.cut()
         cut_at = time.time()
-        taken = wait_for(lambda: starts(fleet, "other"), 30, "a takeover")[0]
+        taken = wait_for(lambda: fleet.starts("other"), 30, "a takeover")[0]
         assert taken["at"] - cut_at <= 12, f"took {taken['at'] - cut_at:.1f} s"
         # The cut-off run is told, by its own replica, within about holder_timeout.
         told = wait_for(lambda: "can no longer be proven" in cut_off.log(), 15, "lock_lost")
         assert told
         proxy.restore()
         wait_for(lambda: cut_off.log().count("lock session up") >= 2, 30, "a reconnection")
-        late = wait_for(lambda: ends(fleet, "cut"), 40, "the stale run to finish")[0]
+        late = wait_for(lambda: fleet.ends("cut"), 40, "the stale run to finish")[0]
         assert late["lock_lost"] and late["lock_lost_at"] - cut_at <= 9
         assert _row(fleet, first["tick"])["status"] == "crashed"
         assert cut_off.process.poll() is None and other.process.poll() is None
@@ -226,11 +210,11 @@ def test_replicas_survive_a_database_restart(tmp_path, database_url, pg_server):
     fleet.start("r2")
     try:
         fleet.wait_ready()
-        wait_for(lambda: len(starts(fleet)) >= 3, 30, "a few runs")
+        wait_for(lambda: len(fleet.starts()) >= 3, 30, "a few runs")
         subprocess.run([*cluster, "restart", "-m", "fast"], check=True, timeout=60)
         restarted_at = time.time()
         wait_for(
-            lambda: [e for e in starts(fleet) if e["at"] > restarted_at], 30, "runs after restart"
+            lambda: [e for e in fleet.starts() if e["at"] > restarted_at], 30, "runs after restart"
         )
         time.sleep(3)
         assert all(r.process.poll() is None for r in fleet.replicas.values()), fleet.logs()
@@ -256,13 +240,13 @@ def test_catch_up_latest_runs_the_tick_missed_while_the_fleet_was_down(tmp_path,
     fleet.start("r2")
     try:
         fleet.wait_ready()
-        ran = wait_for(lambda: starts(fleet), 30, "the caught-up run")
+        ran = wait_for(lambda: fleet.starts(), 30, "the caught-up run")
         time.sleep(2)
         codes = fleet.stop()
     finally:
         fleet.kill_all()
     assert codes == {"r1": 0, "r2": 0}
-    assert [(e["job"], parse_tick(e["tick"])) for e in starts(fleet)] == [("quick", anchor)]
+    assert [(e["job"], parse_tick(e["tick"])) for e in fleet.starts()] == [("quick", anchor)]
     assert len(ran) == 1
 
 

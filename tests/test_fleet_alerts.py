@@ -40,7 +40,7 @@ def test_skips_are_recorded_once_and_alert_once_for_the_fleet(tmp_path, database
         fleet.wait_ready()
         wait_for(lambda: receiver.bodies("job.recovered"), 60, "the recovery notice")
         wait_for(
-            lambda: len([e for e in fleet.evidence() if e.get("event") == "end"]) >= 4,
+            lambda: len(fleet.ends()) >= 4,
             30,
             "a few instant runs after the slow one",
         )
@@ -77,7 +77,7 @@ def test_skips_are_recorded_once_and_alert_once_for_the_fleet(tmp_path, database
     alert_lines = [line for line in fleet.logs().splitlines() if "ALERT job.skips_exceeded" in line]
     assert len(alert_lines) == 1 and "sometimes_slow" in alert_lines[0]
     assert alert["holder"] in alert_lines[0]
-    starts = Counter(e["tick"] for e in fleet.evidence() if e.get("event") == "start")
+    starts = Counter(e["tick"] for e in fleet.starts())
     assert max(starts.values()) == 1
     assert not [e for e in fleet.evidence() if e.get("overlap")]
 
@@ -102,7 +102,7 @@ def test_a_webhook_that_is_down_does_not_block_scheduling_and_delivers_later(
         wait_for(lambda: "not delivered" in fleet.logs(), 30, "a failed delivery")
         # Scheduling went on while the webhook failed: runs still start every second.
         wait_for(
-            lambda: len([e for e in fleet.evidence() if e.get("event") == "end"]) >= 3,
+            lambda: len(fleet.ends()) >= 3,
             30,
             "runs to go on",
         )
@@ -118,7 +118,7 @@ def test_a_webhook_that_is_down_does_not_block_scheduling_and_delivers_later(
     logs = fleet.logs()
     assert secret not in logs
     assert f"http://127.0.0.1:{port}/…" in logs
-    starts = Counter(e["tick"] for e in fleet.evidence() if e.get("event") == "start")
+    starts = Counter(e["tick"] for e in fleet.starts())
     assert max(starts.values()) == 1
 
 
@@ -131,7 +131,7 @@ def test_status_names_the_replica_running_a_job(tmp_path, database_url):
     try:
         fleet.wait_ready()
         first = wait_for(
-            lambda: [e for e in fleet.evidence() if e.get("event") == "start"],
+            lambda: fleet.starts(),
             30,
             "the slow run to start",
         )[0]

@@ -27,7 +27,7 @@ def test_sigkill_mid_run_next_tick_runs_elsewhere(tmp_path, request, backend):
     try:
         fleet.wait_ready()
         first = wait_for(
-            lambda: [e for e in fleet.evidence() if e.get("event") == "start"],
+            lambda: fleet.starts(),
             30,
             "the long job to start",
         )[0]
@@ -37,11 +37,7 @@ def test_sigkill_mid_run_next_tick_runs_elsewhere(tmp_path, request, backend):
         victim.wait(10)
 
         taken_over = wait_for(
-            lambda: [
-                e
-                for e in fleet.evidence()
-                if e.get("event") == "start" and e["instance"] == survivor.name
-            ],
+            lambda: fleet.starts(survivor.name),
             20,
             "the next tick to start on the survivor",
         )[0]
@@ -62,7 +58,7 @@ def test_sigkill_mid_run_next_tick_runs_elsewhere(tmp_path, request, backend):
     finally:
         fleet.kill_all()
     assert codes[survivor.name] == 0, fleet.logs()
-    starts = [e for e in fleet.evidence() if e.get("event") == "start"]
+    starts = fleet.starts()
     ticks = [e["tick"] for e in starts]
     assert len(ticks) == len(set(ticks)), f"a tick ran twice: {starts}"
 

@@ -84,7 +84,7 @@ def test_health_readiness_and_metrics(tmp_path, database_url):
         wait_for(lambda: get(base + "/readyz")[0] == 200, 20, "readiness")
         assert get(base + "/healthz")[0] == 200
         wait_for(
-            lambda: len([e for e in fleet.evidence() if e.get("event") == "end"]) >= 3,
+            lambda: len(fleet.ends()) >= 3,
             20,
             "a few runs",
         )
@@ -95,7 +95,7 @@ def test_health_readiness_and_metrics(tmp_path, database_url):
         )
         assert checked.returncode == 0, checked.stdout + checked.stderr
         runs = metric(text, "scheduler_job_runs_total", job="every_second", status="succeeded")
-        ran = len([e for e in fleet.evidence() if e.get("event") == "end"])
+        ran = len(fleet.ends())
         assert 3 <= runs <= ran, (runs, ran)
         for name in (
             "scheduler_job_skips_total",
@@ -148,7 +148,7 @@ def test_pings_come_from_exactly_one_replica_per_tick(tmp_path, database_url):
             "failure pings",
         )
         wait_for(
-            lambda: len([e for e in fleet.evidence() if e.get("event") == "end"]) >= 5,
+            lambda: len(fleet.ends()) >= 5,
             30,
             "a few good runs",
         )
@@ -159,9 +159,7 @@ def test_pings_come_from_exactly_one_replica_per_tick(tmp_path, database_url):
         receiver.close()
     assert codes == {"r1": 0, "r2": 0}, fleet.logs()
     paths = [r["path"] for r in receiver.received]
-    good_runs = [
-        e for e in fleet.evidence() if e["job"] == "every_second" and e.get("event") == "start"
-    ]
+    good_runs = [e for e in fleet.starts() if e["job"] == "every_second"]
     assert paths.count("/ping/ok-uuid/start") == len(good_runs)
     assert paths.count("/ping/ok-uuid") == len(good_runs)  # every run finished with success
     bad_runs = [e for e in fleet.evidence() if e["job"] == "always_fails"]

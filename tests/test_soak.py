@@ -138,9 +138,7 @@ def _inject(fleet: Fleet, rng: random.Random, database_url: str) -> tuple[str, s
 
 def _report(fleet: Fleet, start: datetime, end: datetime, faults: Counter[str]) -> dict:
     window = whole_seconds(start, end)
-    started = Counter(
-        (e["job"], parse_tick(e["tick"])) for e in fleet.evidence() if e.get("event") == "start"
-    )
+    started = Counter((e["job"], parse_tick(e["tick"])) for e in fleet.starts())
     ledger = {(r["job_name"], r["scheduled_at"]): r for r in fleet.ledger()}
     rows = {key: row["status"] for key, row in ledger.items()}
     outcome: Counter[str] = Counter()

@@ -171,10 +171,6 @@ class EmbeddedBackend:
         if conn is not None:
             conn.close()
 
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None
-
     def verify(self) -> None:
         return None  # no pooler between us and a file
 
@@ -240,11 +236,11 @@ class EmbeddedBackend:
         try:
             with self._conn.begin():
                 results = []
+                won = 0
                 for request in ordered:
-                    won = sum(1 for r in results if r.outcome is Outcome.RUN)
-                    results.append(
-                        self._claim_one(self._conn, request, instance, taken, won < capacity)
-                    )
+                    result = self._claim_one(self._conn, request, instance, taken, won < capacity)
+                    won += result.outcome is Outcome.RUN
+                    results.append(result)
         except BaseException:
             for key in taken:  # the rows were rolled back; so are the locks
                 self.locks.unlock(key)

@@ -133,6 +133,14 @@ def pg_array(values: Iterable[object]) -> str:
     return "{" + ",".join(items) + "}"
 
 
+def short_connection(url: str, instance: str) -> psycopg.Connection[Any]:
+    """A plain autocommit connection for checks, given up on after 5 s."""
+    args = connect_args(instance, 30.0, url)
+    args["connect_timeout"] = 5
+    plain = sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+    return psycopg.connect(plain, autocommit=True, **args)
+
+
 def session_is_kept(url: str, instance: str) -> bool:
     """Does each connection keep its own server session from one transaction to the next?
 
@@ -143,13 +151,7 @@ def session_is_kept(url: str, instance: str) -> bool:
     mode each keeps its own (never the other's); a transaction-mode pooler
     hands the same few backends to both.
     """
-    args = connect_args(instance, 30.0, url)
-    args["connect_timeout"] = 5
-    plain = sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
-    with (
-        psycopg.connect(plain, autocommit=True, **args) as first,
-        psycopg.connect(plain, autocommit=True, **args) as second,
-    ):
+    with short_connection(url, instance) as first, short_connection(url, instance) as second:
         pids: tuple[set[int], set[int]] = (set(), set())
         for _ in range(3):
             for conn, seen in zip((first, second), pids, strict=True):
@@ -250,10 +252,6 @@ class PostgresBackend:
                 conn.close()
             except Exception:
                 log.debug("closing the lock session failed", exc_info=True)
-
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None
 
     def migrate(self) -> int:
         with self.ledger_engine.connect() as conn:
