@@ -47,7 +47,6 @@ import selectors
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -66,6 +65,7 @@ from scheduler.backends.base import (
 from scheduler.catalog import CatalogJob
 from scheduler.context import RunContext
 from scheduler.runner import execute
+from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
 
@@ -98,7 +98,6 @@ class Run:
     ctx: RunContext
     generation: int  # the session that took the lock; the lock is gone with it
     started: float  # monotonic
-    future: Future[None] | None = None
     status: str | None = None  # set when the job has returned (or was given up)
     error: str | None = None
 
@@ -185,7 +184,7 @@ class Gate:
         self._retry_at = 0.0  # next reconnect attempt
         self._paused_until = 0.0  # after a backend error other than a lost session
 
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="run")
+        self._workers = Workers(max_workers)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -196,7 +195,11 @@ class Gate:
     # -- the outside world -----------------------------------------------------------
 
     def submit(self, job: CatalogJob, scheduled_at: datetime) -> None:
-        """Queue a tick fired by APScheduler (any thread).
+        """Queue a tick fired by APScheduler (any thread)."""
+        self.submit_all((job,), scheduled_at)
+
+    def submit_all(self, jobs: Sequence[CatalogJob], scheduled_at: datetime) -> None:
+        """Queue the same tick of several jobs (jobs on one schedule fire together).
 
         Only the newest tick of a job waits here: an older one that is still
         queued was not claimed in time by this replica and is left to the
@@ -205,10 +208,11 @@ class Gate:
         with self._mutex:
             if not self._accepting:
                 return
-            queued = self._pending.get(job.key)
-            if queued is not None and queued[1] >= scheduled_at:
-                return
-            self._pending[job.key] = (job, scheduled_at, 0.0)
+            pending = self._pending
+            for job in jobs:
+                queued = pending.get(job.key)
+                if queued is None or queued[1] < scheduled_at:
+                    pending[job.key] = (job, scheduled_at, 0.0)
             if self._bursts:
                 return  # the end of the burst wakes the dispatcher once
         self._wake()
@@ -271,8 +275,8 @@ class Gate:
             runs = list(self._runs.values())
         self._stopping_runs.set()
         deadline = self.monotonic() + grace
-        futures = [run.future for run in runs if run.future is not None]
-        wait(futures, timeout=max(0.0, deadline - self.monotonic()))
+        if runs:
+            self._workers.wait(timeout=max(0.0, deadline - self.monotonic()))
         self._flush_finishes(deadline)
         with self._mutex:
             abandoned = [run for run in self._runs.values() if not run.done]
@@ -284,7 +288,7 @@ class Gate:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.backend.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown()
         return [run.job.name for run in abandoned]
 
     def _flush_finishes(self, deadline: float) -> None:
@@ -421,9 +425,9 @@ class Gate:
             return
         jobs = {job.key: job for job, _, _ in batch}
         # Start the runs before any bookkeeping: their lateness is what counts.
-        for result in results:
-            if result.outcome is Outcome.RUN:
-                self._start_run(jobs[result.key], result, manual=False)
+        self._start_runs(
+            [(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], manual=False
+        )
         for result in results:
             if result.outcome is not Outcome.RUN:
                 self._claimed(jobs[result.key], result, manual=False)
@@ -504,7 +508,7 @@ class Gate:
 
     def _claimed(self, job: CatalogJob, result: ClaimResult, manual: bool) -> None:
         if result.outcome is Outcome.RUN:
-            self._start_run(job, result, manual=manual)
+            self._start_runs([(job, result)], manual=manual)
         elif result.outcome is Outcome.SKIPPED:
             self._emit(
                 events.TickSkipped(
@@ -522,12 +526,26 @@ class Gate:
         elif result.outcome is Outcome.MISSED:
             self._emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))
 
-    def _start_run(self, job: CatalogJob, result: ClaimResult, manual: bool) -> None:
-        """Hand the run to a worker at once; the worker reports its start.
+    def _start_runs(self, won: list[tuple[CatalogJob, ClaimResult]], manual: bool) -> None:
+        """Hand the runs to workers; each worker reports its own start.
 
-        The dispatcher's part is kept small: a burst of runs starts as fast as
-        workers take them, while each worker logs and reports its own start.
+        Everything a run needs is prepared first and the hand-over is one
+        tight loop: a worker woken early competes with the dispatcher for the
+        interpreter, and would otherwise slow the start of the rest of a burst.
         """
+        if not won:
+            return
+        generation, now = self._generation, self.monotonic()
+        ready = [self._prepare_run(job, result, manual, generation, now) for job, result in won]
+        with self._mutex:
+            for run, _ in ready:
+                self._runs[run.job.key] = run
+        execute = self._execute
+        self._workers.submit_all([(execute, (run, started)) for run, started in ready])
+
+    def _prepare_run(
+        self, job: CatalogJob, result: ClaimResult, manual: bool, generation: int, now: float
+    ) -> tuple[Run, events.RunStarted]:
         assert result.run_id is not None
         ctx = RunContext(
             job_name=job.name,
@@ -547,9 +565,6 @@ class Gate:
                 },
             ),
         )
-        run = Run(job=job, ctx=ctx, generation=self._generation, started=self.monotonic())
-        with self._mutex:
-            self._runs[job.key] = run
         started = events.RunStarted(
             job=job.name,
             key=job.key,
@@ -563,7 +578,7 @@ class Gate:
             skips_recovered=result.recovered,
             ping_url=job.ping_url,
         )
-        run.future = self._pool.submit(self._execute, run, started)
+        return Run(job=job, ctx=ctx, generation=generation, started=now), started
 
     def _execute(self, run: Run, started: events.RunStarted) -> None:
         self._emit(started)  # listeners are thread-safe
