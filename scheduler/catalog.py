@@ -34,6 +34,8 @@ class CatalogJob:
     skip_threshold: int
     fail_threshold: int
     misfire_grace: timedelta
+    # Jobs with equal keys fire at exactly the same ticks (see `schedule_key`).
+    schedule_key: tuple[object, ...] | None = None
     # Copied from the spec (read for every tick, so plain attributes).
     name: str = field(init=False)
     key: int = field(init=False)
@@ -105,15 +107,29 @@ class Catalog:
         return tuple(job for job in self.jobs if job.scheduled)
 
 
-def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:
-    tz = zone(timezone)
+def schedule_key(schedule: JobConfig, timezone: str) -> tuple[object, ...]:
+    """What decides a schedule's ticks, and nothing else.
+
+    Jobs whose keys are equal fire at the same instants, so the daemon gives
+    them one APScheduler job: a thousand jobs on one grid cost APScheduler
+    one job, not a thousand, and reach the gate as one burst.
+    """
     if schedule.interval is not None:
         start = schedule.start
         if start is not None and start.tzinfo is None:
-            start = start.replace(tzinfo=tz)
-        return interval_trigger(schedule.interval, start.astimezone(UTC) if start else None)
+            start = start.replace(tzinfo=zone(timezone))
+        return ("interval", schedule.interval, start.astimezone(UTC) if start else None)
     assert schedule.cron is not None
-    return cron_trigger(schedule.cron, tz)
+    return ("cron", " ".join(schedule.cron.split()), timezone)
+
+
+def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:
+    kind, value, anchor = schedule_key(schedule, timezone)
+    if kind == "interval":
+        assert isinstance(value, timedelta) and (anchor is None or isinstance(anchor, datetime))
+        return interval_trigger(value, anchor)
+    assert isinstance(value, str)
+    return cron_trigger(value, zone(timezone))
 
 
 def build_catalog(config: Config, registry: Registry) -> Catalog:
@@ -139,6 +155,7 @@ def build_catalog(config: Config, registry: Registry) -> Catalog:
                 skip_threshold=settings.skip_threshold(schedule),
                 fail_threshold=settings.fail_threshold(schedule),
                 misfire_grace=settings.grace(schedule),
+                schedule_key=schedule_key(schedule, tz) if schedule else None,
             )
         )
     return Catalog(tuple(jobs))
