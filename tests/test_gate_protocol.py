@@ -13,6 +13,7 @@ import pytest
 
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend, share_of
+from scheduler.backends.schema import CURRENT_VERSION
 
 NAMESPACE = 4242  # as the `backends` fixture
 KEY = 77
@@ -247,7 +248,31 @@ def test_replicas_starting_together_create_the_schema_once(database_url):
     for t in threads:
         t.join(30)
     assert not errors
-    assert sorted(found) == [0] + [1] * (len(backends) - 1)
+    assert sorted(found) == [0] + [CURRENT_VERSION] * (len(backends) - 1)
+
+
+def test_an_older_schema_gets_todays_functions(database_url):
+    """A ledger made by an earlier release is migrated in place: rows kept, functions replaced."""
+    import psycopg
+
+    backend = PostgresBackend(database_url, instance="m", namespace=NAMESPACE, holder_timeout=30)
+    backend.migrate()
+    backend.connect()
+    won = claim(backend, tick())
+    backend.close()
+    plain = database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as conn:
+        # What a version-1 ledger looked like: its own claim function, version 1.
+        conn.execute("DROP FUNCTION scheduler_claim")
+        conn.execute("DELETE FROM scheduler_schema")
+        conn.execute("INSERT INTO scheduler_schema (version, applied_at) VALUES (1, now())")
+    assert backend.migrate() == 1
+    assert backend.migrate() == CURRENT_VERSION
+    backend.connect()
+    assert won.outcome is Outcome.RUN
+    # The old row is still there and still counts.
+    assert claim(backend, won.scheduled_at).outcome is Outcome.LOST
+    backend.close()
 
 
 def test_a_replica_wins_no_more_runs_than_its_free_workers(replicas):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import Connection, Engine
 
@@ -56,8 +56,7 @@ class ClaimRequest:
     skip_threshold: int
 
 
-@dataclass(frozen=True)
-class ClaimResult:
+class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at once
     key: int
     scheduled_at: datetime
     outcome: Outcome
@@ -83,8 +82,7 @@ class FinishRequest:
     fail_threshold: int
 
 
-@dataclass(frozen=True)
-class FinishResult:
+class FinishResult(NamedTuple):
     key: int
     scheduled_at: datetime
     recorded: bool  # False: the row was no longer ours (marked crashed elsewhere)

@@ -110,27 +110,39 @@ def share_of(key: int, live: int) -> int:
     return (key * 2654435761) % 4294967296 % live
 
 
-def pg_array(values: Iterable[object]) -> str:
-    """A PostgreSQL array literal.
+# Array literals, cast server-side. A claim sends several arrays of hundreds of
+# values each: formatting the literal here costs a fraction of adapting every
+# element of a Python list, and one function per element type keeps it cheap.
 
-    A claim sends several arrays of hundreds of values each; formatting the
-    literal here and casting it server-side costs a fraction of adapting every
-    element of a Python list.
-    """
+
+def pg_numbers(values: Iterable[int | float]) -> str:
+    return "{" + ",".join(map(repr, values)) + "}"
+
+
+def pg_texts(values: Iterable[str | None]) -> str:
+    return "{" + ",".join(map(_text_element, values)) + "}"
+
+
+def pg_times(values: Iterable[datetime]) -> str:
+    """A burst's ticks are mostly one instant: each distinct one is formatted once."""
+    formatted: dict[datetime, str] = {}
     items = []
     for value in values:
-        if value is None:
-            items.append("NULL")
-        elif isinstance(value, bool):
-            items.append("t" if value else "f")
-        elif isinstance(value, int | float):
-            items.append(repr(value))
-        elif isinstance(value, datetime):
-            items.append(f'"{value.isoformat()}"')
-        else:
-            text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-            items.append(f'"{text}"')
+        item = formatted.get(value)
+        if item is None:
+            item = formatted[value] = f'"{value.isoformat()}"'
+        items.append(item)
     return "{" + ",".join(items) + "}"
+
+
+def pg_bools(values: Iterable[bool]) -> str:
+    return "{" + ",".join("t" if value else "f" for value in values) + "}"
+
+
+def _text_element(value: str | None) -> str:
+    if value is None:
+        return "NULL"
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def short_connection(url: str, instance: str) -> psycopg.Connection[Any]:
@@ -337,32 +349,25 @@ class PostgresBackend:
             "capacity": capacity,
             "takeover": TAKEOVER_S,
             "share_from": SHARE_FROM,
-            "keys": pg_array(r.key for r in sent),
-            "names": pg_array(r.name for r in sent),
-            "ticks": pg_array(r.scheduled_at for r in sent),
-            "intents": pg_array(str(r.intent) for r in sent),
-            "graces": pg_array(r.grace_s for r in sent),
-            "thresholds": pg_array(r.skip_threshold for r in sent),
+            "keys": pg_numbers([r.key for r in sent]),
+            "names": pg_texts([r.name for r in sent]),
+            "ticks": pg_times([r.scheduled_at for r in sent]),
+            "intents": pg_texts([r.intent for r in sent]),
+            "graces": pg_numbers([r.grace_s for r in sent]),
+            "thresholds": pg_numbers([r.skip_threshold for r in sent]),
         }
         with self._session() as conn:
             rows = conn.execute(_CLAIM, params).all() if sent else []
         if rows:
-            self._fleet = (rows[0].live, rows[0].rank)
-        results = [
-            ClaimResult(
-                key=row.job_key,
-                scheduled_at=row.scheduled_at,
-                outcome=Outcome(row.outcome),
-                run_id=row.run_id,
-                started_at=row.started_at,
-                holder=row.holder,
-                holder_since=row.holder_since,
-                consecutive_skips=row.consecutive_skips,
-                alert=row.alert,
-                recovered=row.recovered,
-                crashed=row.crashed,
-            )
-            for row in rows
+            self._fleet = (rows[0][11], rows[0][12])
+        # Columns in ClaimResult's order, then the fleet's size and this replica's rank.
+        results = [ClaimResult(row[0], row[1], Outcome(row[2]), *row[3:11]) for row in rows]
+        # The function leaves out the ticks another replica owns: they are `lost`.
+        answered = {(r.key, r.scheduled_at) for r in results}
+        results += [
+            ClaimResult(r.key, r.scheduled_at, Outcome.LOST)
+            for r in sent
+            if (r.key, r.scheduled_at) not in answered
         ]
         results += [ClaimResult(r.key, r.scheduled_at, Outcome.YIELDED) for r in yielded]
         return results
@@ -387,34 +392,23 @@ class PostgresBackend:
         with self._session() as conn:
             conn.execute(
                 text("SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k"),
-                {"ns": self.namespace, "keys": pg_array(keys)},
+                {"ns": self.namespace, "keys": pg_numbers(keys)},
             )
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         params = {
             "ns": self.namespace,
-            "keys": pg_array(r.key for r in requests),
-            "ticks": pg_array(r.scheduled_at for r in requests),
-            "run_ids": pg_array(r.run_id for r in requests),
-            "statuses": pg_array(r.status for r in requests),
-            "errors": pg_array(r.error for r in requests),
-            "unlocks": pg_array(r.unlock for r in requests),
-            "thresholds": pg_array(r.fail_threshold for r in requests),
+            "keys": pg_numbers([r.key for r in requests]),
+            "ticks": pg_times([r.scheduled_at for r in requests]),
+            "run_ids": pg_numbers([r.run_id for r in requests]),
+            "statuses": pg_texts([r.status for r in requests]),
+            "errors": pg_texts([r.error for r in requests]),
+            "unlocks": pg_bools([r.unlock for r in requests]),
+            "thresholds": pg_numbers([r.fail_threshold for r in requests]),
         }
         with self._session() as conn:
             rows = conn.execute(_FINISH, params).all()
-        return [
-            FinishResult(
-                key=row.job_key,
-                scheduled_at=row.scheduled_at,
-                recorded=row.recorded,
-                finished_at=row.finished_at,
-                consecutive_failures=row.consecutive_failures,
-                alert=row.alert,
-                recovered=row.recovered,
-            )
-            for row in rows
-        ]
+        return [FinishResult(*row) for row in rows]  # columns in FinishResult's order
 
     def heartbeat(self) -> datetime:
         with self._session() as conn:

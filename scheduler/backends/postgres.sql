@@ -10,7 +10,8 @@
 -- scheduler_claim: claim a batch of ticks.
 --
 -- For each tick, the primary key (job_key, scheduled_at) decides which replica
--- owns it: the first INSERT wins, every other replica gets `lost`. The owner
+-- owns it: the first INSERT wins; every other replica gets no row for it, which
+-- the caller reads as `lost`. The owner
 -- then tries the job's advisory lock (lock_namespace, key):
 --   got it   -> `run`; any other `running` row of the job is stale (its
 --               replica died or lost the lock, which freed the lock): `crashed`.
@@ -48,7 +49,11 @@ CREATE OR REPLACE FUNCTION scheduler_claim(
     crashed           integer,
     live              integer,
     rank              integer
-) LANGUAGE plpgsql AS $$
+) LANGUAGE plpgsql
+-- The planner cannot know how many ticks a call carries and guesses a handful;
+-- its nested loops over them would make a burst of n ticks cost n^2.
+SET enable_nestloop = off
+AS $$
 #variable_conflict use_column
 DECLARE
     r record;
@@ -117,6 +122,9 @@ BEGIN
     END LOOP;
 
     -- Ticks past their grace: recorded `missed` (unless some replica has a row).
+    -- Ticks another replica owns are left out of the answer, here and below: the
+    -- caller takes a tick it sent and got no row for as `lost`. In a healthy
+    -- fleet that is most of the ticks a replica tries again after p_takeover.
     RETURN QUERY
     WITH late AS (
         SELECT q.key, q.name, q.tick
@@ -130,12 +138,10 @@ BEGIN
         ON CONFLICT DO NOTHING
         RETURNING t.job_key, t.scheduled_at
     )
-    SELECT late.key, late.tick,
-           CASE WHEN recorded.job_key IS NULL THEN 'lost' ELSE 'missed' END,
+    SELECT recorded.job_key, recorded.scheduled_at, 'missed',
            NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::integer,
            false, false, 0, live, rank
-      FROM late
-      LEFT JOIN recorded ON recorded.job_key = late.key AND recorded.scheduled_at = late.tick;
+      FROM recorded;
 
     -- The claim: one INSERT for the ticks this replica tries to win now.
     --
@@ -195,9 +201,9 @@ BEGIN
            array_agg(d.threshold ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
            array_agg(d.run_id ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
            array_agg(d.started_at ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.key) FILTER (WHERE d.fate <> 'won'),
-           array_agg(d.tick) FILTER (WHERE d.fate <> 'won'),
-           array_agg(d.fate) FILTER (WHERE d.fate <> 'won')
+           array_agg(d.key) FILTER (WHERE d.fate IN ('yielded', 'deferred')),
+           array_agg(d.tick) FILTER (WHERE d.fate IN ('yielded', 'deferred')),
+           array_agg(d.fate) FILTER (WHERE d.fate IN ('yielded', 'deferred'))
       INTO v_won_keys, v_won_names, v_won_ticks, v_won_intents, v_won_thresholds,
            v_won_run_ids, v_won_started, v_other_keys, v_other_ticks, v_other_fates
       FROM decided d;

@@ -30,7 +30,8 @@ def _v1_tables(conn: Connection) -> None:
         conn.execute(insert(ledger.counters).values(name="run_id", value=0))
 
 
-def _v1_functions(conn: Connection) -> None:
+def _functions(conn: Connection) -> None:
+    """(Re)create the gate's SQL functions; each version that changes them runs this."""
     if conn.dialect.name != "postgresql":
         return
     body = resources.files("scheduler.backends").joinpath("postgres.sql").read_text()
@@ -39,7 +40,7 @@ def _v1_functions(conn: Connection) -> None:
 
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1_tables),
-    (1, _v1_functions),
+    (2, _functions),  # v2: claims leave ticks owned by other replicas out of the answer
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 
