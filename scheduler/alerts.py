@@ -23,14 +23,12 @@ import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 from scheduler import events
+from scheduler.posting import post, redact_url
 
 log = logging.getLogger("scheduler.alerts")
 
@@ -38,15 +36,6 @@ SKIPS_EXCEEDED = "job.skips_exceeded"
 RECOVERED = "job.recovered"
 FAILURES_EXCEEDED = "job.failures_exceeded"
 FAILURES_RECOVERED = "job.failures_recovered"
-
-
-def redact_url(url: str) -> str:
-    """Scheme and host only: webhook paths and queries carry secrets (Slack, healthchecks)."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    if parts.port:
-        host += f":{parts.port}"
-    return f"{parts.scheme}://{host}/…"
 
 
 class Webhook:
@@ -163,22 +152,7 @@ class Webhook:
 
     def _post(self, body: dict[str, Any]) -> str | None:
         """None on success, else a reason that never contains the URL."""
-        request = urllib.request.Request(
-            self.url,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "User-Agent": "scheduler"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                response.read()
-        except urllib.error.HTTPError as exc:
-            return f"HTTP {exc.code}"
-        except urllib.error.URLError as exc:
-            return type(exc.reason).__name__ if not isinstance(exc.reason, str) else "unreachable"
-        except (OSError, ValueError) as exc:
-            return type(exc).__name__
-        return None
+        return post(self.url, json.dumps(body).encode(), self.timeout, "application/json")
 
 
 class Alerts:

@@ -13,21 +13,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import urllib.error
-import urllib.request
 
 from scheduler import events
-from scheduler.alerts import redact_url
+from scheduler.posting import post, redact_url
 
 log = logging.getLogger("scheduler.pings")
 
 
 class Pings:
+    """Sends pings from one background thread, started with the first ping."""
+
     def __init__(self, timeout: float = 5.0, max_queued: int = 1000) -> None:
         self.timeout = timeout
         self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(max_queued)
-        self._thread = threading.Thread(target=self._loop, name="pings", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def __call__(self, event: events.Event) -> None:
         if isinstance(event, events.RunStarted) and event.ping_url:
@@ -40,6 +40,11 @@ class Pings:
                 self._send(base + "/fail", (event.error or event.status).encode()[:10_000])
 
     def _send(self, url: str, body: bytes) -> None:
+        if self._thread is None:
+            with self._starting:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="pings", daemon=True)
+                    self._thread.start()
         try:
             self._queue.put_nowait((url, body))
         except queue.Full:
@@ -47,20 +52,15 @@ class Pings:
 
     def close(self, timeout: float = 2.0) -> None:
         """Let queued pings go out (a stopping replica's last /start or success)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        with self._starting:
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             url, body = item
-            request = urllib.request.Request(
-                url, data=body, method="POST", headers={"User-Agent": "scheduler"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    response.read()
-            except urllib.error.HTTPError as exc:
-                log.warning("ping to %s failed: HTTP %d", redact_url(url), exc.code)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                reason = getattr(exc, "reason", exc)
-                log.warning("ping to %s failed: %s", redact_url(url), type(reason).__name__)
+            reason = post(url, body, self.timeout)
+            if reason is not None:
+                log.warning("ping to %s failed: %s", redact_url(url), reason)
