@@ -21,6 +21,7 @@ MIGRATION_LOCK_KEY = -1  # (lock_namespace, -1); job keys are 1..2147483647
 
 def _v1_tables(conn: Connection) -> None:
     ledger.metadata.create_all(conn, checkfirst=True)
+    conn.execute(ledger.RUNNING_INDEX)
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     conn.execute(
         insert(ledger.maintenance),
