@@ -186,6 +186,7 @@ def render(r: dict[str, Any]) -> str:
             [[m["jobs"], m["rss_mb"], m["ready_s"], m["first_run_s"]] for m in r["memory"]],
         ),
         "",
+        *floor_lines(r),
         "## 6. Side by side",
         "",
         "3 replicas, 10 jobs of 1 ms every second; clocks skewed by +0.45 s, -0.45 s and 0",
@@ -290,3 +291,20 @@ def render(r: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def floor_lines(r: dict[str, Any]) -> list[str]:
+    """How much of the RSS is the interpreter and the libraries, before any code of ours."""
+    floor = r.get("import_floor")
+    if not floor:
+        return []
+    rss100 = next(m for m in r["memory"] if m["jobs"] == 100)["rss_mb"]
+    return [
+        "Of that, in this run: a bare `python` has an RSS of",
+        f"{floor['interpreter_mb']} MB; one that has only imported the libraries a replica",
+        "uses with PostgreSQL (asyncio, psycopg, SQLAlchemy with its PostgreSQL dialect,",
+        f"pydantic-settings, APScheduler, PyYAML) has {floor['libraries_mb']} MB. Everything",
+        f"of ours with 100 jobs (code, settings, catalog, threads, sessions) is the other "
+        f"{round(rss100 - floor['libraries_mb'], 1)} MB.",
+        "",
+    ]

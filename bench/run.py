@@ -219,6 +219,30 @@ class Idle:
         return out
 
 
+# What a PostgreSQL replica imports from its dependencies, and nothing of ours.
+LIBRARIES = (
+    "asyncio",
+    "psycopg",
+    "sqlalchemy",
+    "sqlalchemy.dialects.postgresql.psycopg",
+    "pydantic_settings",
+    "apscheduler.schedulers.background",
+    "yaml",
+)
+_RSS = "print([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1])"
+
+
+def import_floor() -> dict[str, float]:
+    """RSS of a bare interpreter, and of one that has only imported the libraries."""
+
+    def rss(imports: tuple[str, ...]) -> float:
+        code = "".join(f"import {name}\n" for name in imports) + _RSS
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        return round(int(out.stdout.strip()) / 1024, 1)
+
+    return {"interpreter_mb": rss(()), "libraries_mb": rss(LIBRARIES)}
+
+
 def memory_and_start(server: Server) -> list[dict[str, Any]]:
     out = []
     for jobs in (10, 100, 1000):
@@ -347,6 +371,7 @@ def main() -> int:
 
     log("memory and start-up")
     results["memory"] = memory_and_start(server)
+    results["import_floor"] = import_floor()
 
     log("side by side: clock skew of +-0.45 s, 1 ms jobs, 3 replicas, 10 jobs")
     side: dict[str, Any] = {}
