@@ -229,7 +229,10 @@ class Daemon:
         # longer walks it (it paused every thread for 50-90 ms at 500 runs a second).
         gc.collect()
         gc.freeze()
-        self.stop_requested.wait()
+        # A signal the kernel hands to another thread only trips a flag; Python runs
+        # the handler when the main thread next wakes, so it wakes every second.
+        while not self.stop_requested.wait(1.0):
+            pass
         return self.shutdown()
 
     def shutdown(self) -> int:

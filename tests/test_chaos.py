@@ -153,6 +153,32 @@ def test_a_second_signal_exits_at_once(tmp_path, database_url):
     assert code == 128 + signal.SIGINT
 
 
+def _signal_thread(pid: int, tid: int, signum: int) -> None:
+    """What the kernel may do with a process's signal: hand it to any of its threads."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_tgkill = 234  # x86_64
+    if libc.syscall(sys_tgkill, pid, tid, signum) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="tgkill's number is x86_64's")
+def test_sigterm_received_by_another_thread_still_stops_the_replica(tmp_path, database_url):
+    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_code=QUICK)
+    replica = fleet.start("r1")
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: fleet.starts(), 30, "the run to start")
+        threads = [int(t) for t in os.listdir(f"/proc/{replica.pid}/task") if int(t) != replica.pid]
+        _signal_thread(replica.pid, max(threads), signal.SIGTERM)
+        code = replica.wait(30)
+    finally:
+        fleet.kill_all()
+    assert code == 0, replica.log()
+    assert "stopped cleanly" in replica.log()
+
+
 def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
     host, port = host_port(database_url)
     proxy = Proxy(host, port)
