@@ -238,7 +238,11 @@ class Gate:
         with self._mutex:
             self._manual.append((job, tick, done, result))
         self._wake()
-        done.wait(timeout)
+        if timeout is None:
+            while not done.wait(1.0):  # awake for a signal's handler (see Daemon.run)
+                pass
+        else:
+            done.wait(timeout)
         return result[0] if result else ManualResult(Outcome.LOST, error="timed out")
 
     def start(self) -> None:
