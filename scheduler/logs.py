@@ -74,7 +74,14 @@ class _Writer:
             for item in batch:
                 if item is None:
                     continue
-                records = item.records() if isinstance(item, _Deferred) else (item,)
+                if isinstance(item, _Deferred):
+                    try:
+                        records = item.records()
+                    except Exception:  # a broken line must not end the logging of the rest
+                        lines.append(f"(could not build the log line for {item.event!r})")
+                        continue
+                else:
+                    records = [item]
                 for record in records:
                     try:
                         lines.append(self.formatter.format(record))
