@@ -164,7 +164,8 @@ def render(r: dict[str, Any]) -> str:
         "",
         "## 4. Idle load",
         "",
-        "One replica with 100 jobs that tick hourly, in its own database, for the whole run",
+        "One replica with 100 jobs that tick every 30 days (none during the run), in its own",
+        "database, for the whole run",
         "(transactions counted in the server's statement log):",
         "",
         table(

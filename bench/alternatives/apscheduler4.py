@@ -199,7 +199,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--job-ms", type=float, default=1.0)
     parser.add_argument("--key-base", type=int, default=10_000)
     parser.add_argument(
-        "--interval-s", type=int, default=1, help="seconds between ticks (3600: an idle fleet)"
+        "--interval-s", type=int, default=1, help="seconds between ticks (days: an idle fleet)"
     )
     return parser.parse_args()
 
