@@ -83,11 +83,15 @@ def test_health_readiness_and_metrics(tmp_path, database_url):
         fleet.wait_ready()
         wait_for(lambda: get(base + "/readyz")[0] == 200, 20, "readiness")
         assert get(base + "/healthz")[0] == 200
-        wait_for(
-            lambda: len(fleet.ends()) >= 3,
-            20,
-            "a few runs",
-        )
+        wait_for(lambda: len(fleet.ends()) >= 3, 20, "a few runs")
+
+        # A run is counted once its end is recorded in the ledger, a moment after
+        # the job itself has returned (and written its end).
+        def counted() -> float:
+            text = get(base + "/metrics")[1]
+            return metric(text, "scheduler_job_runs_total", job="every_second", status="succeeded")
+
+        wait_for(lambda: counted() >= 3, 20, "the runs counted in the metrics")
         status, text = get(base + "/metrics")
         assert status == 200
         checked = subprocess.run(
