@@ -306,6 +306,16 @@ def ensure_aps4() -> bool:
     return True
 
 
+# What the figures depend on (the results themselves excepted), for the commit line.
+MEASURED_FILES = (
+    "scheduler",
+    "bench",
+    "pyproject.toml",
+    ":(exclude)bench/RESULTS.md",
+    ":(exclude)bench/results.json",
+)
+
+
 def environment(server: Server) -> dict[str, str]:
     cpu = "unknown"
     try:
@@ -325,6 +335,14 @@ def environment(server: Server) -> dict[str, str]:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=BENCH
     ).stdout.strip()
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", *MEASURED_FILES],
+        capture_output=True,
+        text=True,
+        cwd=BENCH.parent,
+    ).stdout.strip()
+    if changed:
+        commit += " with uncommitted changes"
     return {
         "date": now_iso(),
         "machine": f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB",
