@@ -29,19 +29,23 @@ from scheduler.schedules import (
 class CatalogJob:
     spec: JobSpec
     schedule: JobConfig | None
-    trigger: BaseTrigger | None
     timezone: str
     skip_threshold: int
     fail_threshold: int
     misfire_grace: timedelta
-    # Jobs with equal keys fire at exactly the same ticks (see `schedule_key`).
-    schedule_key: tuple[object, ...] | None = None
+    # Derived from the schedule: jobs with equal keys fire at exactly the same
+    # ticks (see `schedule_key`), and the trigger computes them.
+    schedule_key: tuple[object, ...] | None = field(init=False)
+    trigger: BaseTrigger | None = field(init=False, compare=False)
     # Copied from the spec (read for every tick, so plain attributes).
     name: str = field(init=False)
     key: int = field(init=False)
     log: logging.Logger = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        key = schedule_key(self.schedule, self.timezone) if self.schedule else None
+        object.__setattr__(self, "schedule_key", key)
+        object.__setattr__(self, "trigger", trigger_for(key) if key else None)
         object.__setattr__(self, "name", self.spec.name)
         object.__setattr__(self, "key", self.spec.key)
         object.__setattr__(self, "log", logging.getLogger(f"scheduler.job.{self.spec.name}"))
@@ -123,13 +127,18 @@ def schedule_key(schedule: JobConfig, timezone: str) -> tuple[object, ...]:
     return ("cron", " ".join(schedule.cron.split()), timezone)
 
 
-def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:
-    kind, value, anchor = schedule_key(schedule, timezone)
+def trigger_for(key: tuple[object, ...]) -> BaseTrigger:
+    """The trigger of a schedule, from its `schedule_key`."""
+    kind, value, where = key
     if kind == "interval":
-        assert isinstance(value, timedelta) and (anchor is None or isinstance(anchor, datetime))
-        return interval_trigger(value, anchor)
-    assert isinstance(value, str)
-    return cron_trigger(value, zone(timezone))
+        assert isinstance(value, timedelta) and (where is None or isinstance(where, datetime))
+        return interval_trigger(value, where)
+    assert isinstance(value, str) and isinstance(where, str)
+    return cron_trigger(value, zone(where))
+
+
+def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:
+    return trigger_for(schedule_key(schedule, timezone))
 
 
 def build_catalog(config: Config, registry: Registry) -> Catalog:
@@ -150,12 +159,10 @@ def build_catalog(config: Config, registry: Registry) -> Catalog:
             CatalogJob(
                 spec=spec,
                 schedule=schedule,
-                trigger=build_trigger(schedule, tz) if schedule else None,
                 timezone=tz,
                 skip_threshold=settings.skip_threshold(schedule),
                 fail_threshold=settings.fail_threshold(schedule),
                 misfire_grace=settings.grace(schedule),
-                schedule_key=schedule_key(schedule, tz) if schedule else None,
             )
         )
     return Catalog(tuple(jobs))

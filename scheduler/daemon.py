@@ -79,7 +79,7 @@ class GateScheduler(BackgroundScheduler):  # type: ignore[misc]
 
     def _process_jobs(self) -> float | None:
         with self._gate.burst():
-            return super()._process_jobs()  # type: ignore[no-any-return]  # type: ignore[no-any-return]
+            return super()._process_jobs()  # type: ignore[no-any-return]
 
 
 def build_scheduler(catalog: Catalog, gate: Gate) -> BackgroundScheduler:
@@ -87,7 +87,8 @@ def build_scheduler(catalog: Catalog, gate: Gate) -> BackgroundScheduler:
     scheduler = GateScheduler(gate, timezone=UTC)
     by_schedule: dict[tuple[object, ...], list[CatalogJob]] = {}
     for job in catalog.scheduled:
-        by_schedule.setdefault(job.schedule_key or ("job", job.name), []).append(job)
+        assert job.schedule_key is not None  # scheduled jobs have a schedule
+        by_schedule.setdefault(job.schedule_key, []).append(job)
     groups = {group[0].name: group for group in by_schedule.values()}
     scheduler.add_executor(GateExecutor(gate, groups), "default")
     for name, group in groups.items():

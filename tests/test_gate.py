@@ -15,7 +15,7 @@ import pytest
 from scheduler import events
 from scheduler.backends.base import Outcome
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.catalog import CatalogJob, build_trigger
+from scheduler.catalog import CatalogJob
 from scheduler.config import JobConfig
 from scheduler.gate import Gate
 from scheduler.registry import JobSpec
@@ -45,7 +45,6 @@ def make_job(key: int, func, name: str | None = None, skip_alert_after: int = 3)
     return CatalogJob(
         spec=spec,
         schedule=schedule,
-        trigger=build_trigger(schedule, "UTC"),
         timezone="UTC",
         skip_threshold=skip_alert_after,
         fail_threshold=3,

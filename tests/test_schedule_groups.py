@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
-from scheduler.catalog import Catalog, CatalogJob, build_trigger, schedule_key
+from scheduler.catalog import Catalog, CatalogJob, schedule_key
 from scheduler.config import JobConfig
 from scheduler.daemon import GateExecutor, build_scheduler
 from scheduler.registry import JobSpec
@@ -20,12 +20,10 @@ def job(name: str, key: int, tz: str = "UTC", **schedule: object) -> CatalogJob:
     return CatalogJob(
         spec=spec,
         schedule=config,
-        trigger=build_trigger(config, tz),
         timezone=tz,
         skip_threshold=3,
         fail_threshold=3,
         misfire_grace=timedelta(seconds=30),
-        schedule_key=schedule_key(config, tz),
     )
 
 
