@@ -55,7 +55,6 @@ signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import threading
@@ -69,6 +68,7 @@ from apscheduler import AsyncScheduler, CoalescePolicy, ConflictPolicy, current_
 from apscheduler.datastores.sqlalchemy import SQLAlchemyDataStore
 from apscheduler.eventbrokers.psycopg import PsycopgEventBroker
 from apscheduler.triggers.interval import IntervalTrigger
+from contract import append_evidence, parse_args
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -96,19 +96,7 @@ def run_job() -> None:
     scheduled = job.scheduled_fire_time
     if scheduled is None or job.schedule_id is None:
         return
-    scheduled = scheduled.astimezone(UTC)
-    line = json.dumps(
-        {
-            "job": job.schedule_id,
-            "tick": scheduled.isoformat(),
-            "instance": Replica.instance,
-            "start": start,
-            "scheduled": scheduled.timestamp(),
-        }
-    )
-    # One short line per open/write/close, so appends from several processes never interleave.
-    with open(Replica.evidence, "a", encoding="utf-8") as evidence:
-        evidence.write(line + "\n")
+    append_evidence(Replica.evidence, job.schedule_id, scheduled, Replica.instance, start)
     Replica.stopping.wait(Replica.job_seconds)
 
 
@@ -190,22 +178,8 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database-url", required=True)
-    parser.add_argument("--jobs", type=int, required=True)
-    parser.add_argument("--instance", required=True)
-    parser.add_argument("--evidence", required=True)
-    parser.add_argument("--job-ms", type=float, default=1.0)
-    parser.add_argument("--key-base", type=int, default=10_000)
-    parser.add_argument(
-        "--interval-s", type=int, default=1, help="seconds between ticks (days: an idle fleet)"
-    )
-    return parser.parse_args()
-
-
 def main() -> int:
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(message)s")
     Replica.instance = args.instance
     Replica.evidence = args.evidence

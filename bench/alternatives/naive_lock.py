@@ -29,9 +29,7 @@ import sys
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
 
-import argparse
 import concurrent.futures
-import json
 import logging
 import threading
 import time
@@ -45,6 +43,7 @@ import psycopg
 from apscheduler.executors.pool import BasePoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
+from contract import append_evidence, parse_args
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -57,21 +56,6 @@ current = threading.local()
 def plain_url(url: str) -> str:
     """psycopg wants a libpq URL; accept the SQLAlchemy spelling the project also accepts."""
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
-def append_evidence(path: str, job: str, scheduled: datetime, instance: str, start: float) -> None:
-    """One short line per open/write/close, so appends from several processes never interleave."""
-    line = json.dumps(
-        {
-            "job": job,
-            "tick": scheduled.astimezone(UTC).isoformat(),
-            "instance": instance,
-            "start": start,
-            "scheduled": scheduled.timestamp(),
-        }
-    )
-    with open(path, "a", encoding="utf-8") as evidence:
-        evidence.write(line + "\n")
 
 
 class TickPool(concurrent.futures.ThreadPoolExecutor):
@@ -115,26 +99,12 @@ def run_once(
             conn.execute("SELECT pg_advisory_unlock(%s::bigint)", (key,))
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database-url", required=True)
-    parser.add_argument("--jobs", type=int, required=True)
-    parser.add_argument("--instance", required=True)
-    parser.add_argument("--evidence", required=True)
-    parser.add_argument("--job-ms", type=float, default=1.0)
-    parser.add_argument("--key-base", type=int, default=10_000)
-    parser.add_argument(
-        "--interval-s", type=int, default=1, help="seconds between ticks (3600: an idle fleet)"
-    )
-    return parser.parse_args()
-
-
 def on_signal(_signum: int, _frame: FrameType | None) -> None:
     stopping.set()
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(message)s")
     url = plain_url(args.database_url)
     scheduler = BackgroundScheduler(
