@@ -11,23 +11,17 @@ replicas' shares of a burst costs when they have taken them all).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import psycopg
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fleet import SERVER, Server
 
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent
 from scheduler.backends.postgres import PostgresBackend
-
-SERVER = os.environ.get(
-    "SCHEDULER_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
-DATABASE = "bench_claim"
 
 
 def batch(ticks: int, at: datetime) -> list[ClaimRequest]:
@@ -49,11 +43,10 @@ def main() -> int:
     parser.add_argument("--ticks", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    with psycopg.connect(SERVER, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DATABASE}")
+    server = Server(SERVER)
+    database = server.create("claim")
     backend = PostgresBackend(
-        SERVER.rsplit("/", 1)[0] + "/" + DATABASE, instance="bench", namespace=7, holder_timeout=30
+        server.database_url(database), instance="bench", namespace=7, holder_timeout=30
     )
     try:
         backend.migrate()
@@ -77,8 +70,7 @@ def main() -> int:
         lost_cpu, lost_wall = time.process_time() - cpu, time.perf_counter() - wall
     finally:
         backend.close()
-        with psycopg.connect(SERVER, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)")
+        server.drop(database)
     n = args.rounds
     print(f"{args.ticks} ticks per batch, {n} rounds; per batch:")
     for what, cpu_s, wall_s in (

@@ -24,6 +24,10 @@ from typing import Any
 
 import psycopg
 
+# The server every benchmark runs against (one fresh database per scenario).
+SERVER = os.environ.get(
+    "SCHEDULER_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 APS4_PYTHON = BENCH / ".venv-aps4" / "bin" / "python"

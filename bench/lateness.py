@@ -23,10 +23,7 @@ import uuid
 from pathlib import Path
 
 import psycopg
-
-SERVER = os.environ.get(
-    "SCHEDULER_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
+from fleet import SERVER
 
 
 def database(name: str) -> str:

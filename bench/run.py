@@ -35,6 +35,7 @@ from fleet import (
     APS4_INSTALL,
     APS4_PYTHON,
     BENCH,
+    SERVER,
     Fleet,
     Server,
     now_iso,
@@ -43,9 +44,6 @@ from fleet import (
     verify,
 )
 
-SERVER = os.environ.get(
-    "SCHEDULER_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
 SKEW = ("+0.45s", "-0.45s", None)
 
 
