@@ -2,7 +2,8 @@
 
 Each check returns a line for the report; `fatal` ones make `check` exit 2.
 The pooler check matters most (see `session_is_kept`); `scheduler run`
-insists on it too.
+insists on it too. Whatever the driver raises becomes one line, and no line
+holds the password, wherever the URL carries it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import psycopg
 
 from scheduler.backends.postgres import (
     POOLER_MESSAGE,
-    redact,
     session_is_kept,
     short_connection,
 )
 from scheduler.errors import one_line
+from scheduler.urls import database_url_secrets, redact_database_url, scrub
 
 MIN_SERVER_VERSION = 140000  # idle_session_timeout arrived in PostgreSQL 14
 
@@ -32,50 +33,27 @@ class Check:
 
 
 def database_checks(url: str, instance: str) -> list[Check]:
-    checks: list[Check] = []
+    shown = redact_database_url(url)
+    secrets = database_url_secrets(url)
+
+    def failure(exc: BaseException) -> str:
+        return scrub(one_line(exc), secrets)
+
     try:
         conn = short_connection(url, instance)
-    except psycopg.Error as exc:
-        return [Check("connect", False, f"{redact(url)}: {one_line(exc)}")]
-    with conn:
-        checks.append(Check("connect", True, redact(url)))
-        version = conn.info.server_version
-        checks.append(
-            Check(
-                "server version",
-                version >= MIN_SERVER_VERSION,
-                f"PostgreSQL {version // 10000}.{version % 10000}"
-                + ("" if version >= MIN_SERVER_VERSION else " (14 or newer is required)"),
-            )
-        )
-        row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
-        standby = bool(row and row[0])
-        checks.append(
-            Check(
-                "primary",
-                not standby,
-                "connected to a standby: locks and writes need the primary"
-                if standby
-                else "connected to the primary",
-            )
-        )
-        checks.append(_privileges(conn))
-        row = conn.execute("SELECT now()").fetchone()
-        assert row is not None
-        offset = (datetime.now(UTC) - row[0]).total_seconds()
-        checks.append(
-            Check(
-                "clock",
-                abs(offset) < 1.0,
-                f"this host's clock is {offset:+.3f} s from the database's"
-                + ("" if abs(offset) < 1.0 else " (ticks are claimed by each replica's clock)"),
-                fatal=False,
-            )
-        )
+    except Exception as exc:
+        return [Check("connect", False, f"{shown}: {failure(exc)}")]
+    checks = [Check("connect", True, shown)]
+    try:
+        with conn:
+            checks += _server_checks(conn)
+    except Exception as exc:
+        checks.append(Check("connection", False, f"failed during the checks: {failure(exc)}"))
+        return checks
     try:
         kept = session_is_kept(url, instance)
     except Exception as exc:
-        checks.append(Check("session pooling", False, one_line(exc)))
+        checks.append(Check("session pooling", False, failure(exc)))
     else:
         checks.append(
             Check(
@@ -84,6 +62,44 @@ def database_checks(url: str, instance: str) -> list[Check]:
                 "each connection keeps its own server session" if kept else POOLER_MESSAGE,
             )
         )
+    return checks
+
+
+def _server_checks(conn: psycopg.Connection) -> list[Check]:  # type: ignore[type-arg]
+    checks: list[Check] = []
+    version = conn.info.server_version
+    checks.append(
+        Check(
+            "server version",
+            version >= MIN_SERVER_VERSION,
+            f"PostgreSQL {version // 10000}.{version % 10000}"
+            + ("" if version >= MIN_SERVER_VERSION else " (14 or newer is required)"),
+        )
+    )
+    row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+    standby = bool(row and row[0])
+    checks.append(
+        Check(
+            "primary",
+            not standby,
+            "connected to a standby: locks and writes need the primary"
+            if standby
+            else "connected to the primary",
+        )
+    )
+    checks.append(_privileges(conn))
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    offset = (datetime.now(UTC) - row[0]).total_seconds()
+    checks.append(
+        Check(
+            "clock",
+            abs(offset) < 1.0,
+            f"this host's clock is {offset:+.3f} s from the database's"
+            + ("" if abs(offset) < 1.0 else " (ticks are claimed by each replica's clock)"),
+            fatal=False,
+        )
+    )
     return checks
 
 

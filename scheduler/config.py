@@ -9,18 +9,23 @@ silently drop a setting.
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
+import re
+import reprlib
 import socket
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    PositiveInt,
     SecretStr,
     ValidationError,
     field_validator,
@@ -28,22 +33,108 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    YamlConfigSettingsSource,
 )
 
-from scheduler.errors import ConfigError
+from scheduler.errors import SHOWN_MAX, ConfigError, one_line, shorten
 from scheduler.schedules import cron_trigger, parse_duration, zone
+from scheduler.urls import redact_http_url, validate_database_url, validate_http_url
 
 ENV_PREFIX = "SCHEDULER_"
 DEFAULT_LOCK_NAMESPACE = 0x53434844  # the ASCII bytes "SCHD": 1396918340
 MAX_APPLICATION_NAME = 63  # PostgreSQL truncates application_name beyond this
+INSTANCE_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_APPLICATION_NAME}}}")
+MAX_THRESHOLD = 1_000_000
+MIN_INTERVAL = timedelta(seconds=1)
+MAX_INTERVAL = timedelta(days=3650)
+MAX_MISFIRE_GRACE = timedelta(days=1)
+MAX_CONFIG_BYTES = 10 * 1024 * 1024
+MAX_YAML_DEPTH = 50
 
 
 def default_instance_name() -> str:
+    """`<hostname>-<pid>`, each character of the host name not allowed in a name made `-`."""
     pid = f"-{os.getpid()}"
-    return socket.gethostname()[: MAX_APPLICATION_NAME - len(pid)] + pid
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "scheduler"
+    return host[: MAX_APPLICATION_NAME - len(pid)] + pid
+
+
+def _number(value: Any) -> int | float:
+    """A number as YAML, the environment or a flag gives it; a boolean is not one."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return float(value.strip())
+    raise ValueError("not a number")
+
+
+def _ranged(
+    low: float, high: float, message: str, *, whole: bool = False, above: bool = False
+) -> BeforeValidator:
+    """A number in [low, high] (or (low, high] when `above`); NaN and infinity never are."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            number = _number(value)
+            finite = math.isfinite(number)
+        except (ValueError, OverflowError):
+            raise ValueError(message) from None
+        if not finite or (whole and number != int(number)):
+            raise ValueError(message)
+        if number < low or (above and number == low) or number > high:
+            raise ValueError(message)
+        return int(number) if whole else number
+
+    return BeforeValidator(check)
+
+
+def _whole(low: int, high: int) -> BeforeValidator:
+    return _ranged(low, high, f"must be a whole number between {low} and {high}", whole=True)
+
+
+def _lowercase(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+Threshold = Annotated[int, _whole(1, MAX_THRESHOLD)]
+
+
+def _infinite(value: Any) -> bool:
+    """NaN or infinity, written as a number (parse_duration would take them)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        number = float(value.strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        return False
+    except OverflowError:
+        return True
+    return not math.isfinite(number)
+
+
+def _duration(
+    value: Any, low: timedelta, high: timedelta, message: str, *, above: bool = False
+) -> timedelta | None:
+    if value is None:
+        return None
+    if _infinite(value):
+        raise ValueError(message)
+    try:
+        delta = parse_duration(value)
+    except OverflowError:
+        raise ValueError(message) from None
+    if delta < low or (above and delta == low) or delta > high:
+        raise ValueError(message)
+    return delta
 
 
 class JobConfig(BaseModel):
@@ -55,17 +146,29 @@ class JobConfig(BaseModel):
     interval: timedelta | None = None
     timezone: str | None = None
     start: datetime | None = None
-    skip_alert_after: PositiveInt | None = None
-    fail_alert_after: PositiveInt | None = None
+    skip_alert_after: Threshold | None = None
+    fail_alert_after: Threshold | None = None
     ping_url: str | None = None
     enabled: bool = True
     catch_up: Literal["off", "latest"] = "off"
     misfire_grace: timedelta | None = None
 
-    @field_validator("interval", "misfire_grace", mode="before")
+    @field_validator("interval", mode="before")
     @classmethod
-    def _duration(cls, value: Any) -> timedelta | None:
-        return None if value is None else parse_duration(value)
+    def _interval(cls, value: Any) -> timedelta | None:
+        """At least a second (a shorter grid burns a core), at most ten years."""
+        return _duration(value, MIN_INTERVAL, MAX_INTERVAL, "must be between 1 s and 3650 days")
+
+    @field_validator("misfire_grace", mode="before")
+    @classmethod
+    def _misfire_grace(cls, value: Any) -> timedelta | None:
+        return _duration(
+            value,
+            timedelta(0),
+            MAX_MISFIRE_GRACE,
+            "must be above 0 s and at most 1 day",
+            above=True,
+        )
 
     @field_validator("timezone")
     @classmethod
@@ -84,9 +187,7 @@ class JobConfig(BaseModel):
     @field_validator("ping_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
-        return value
+        return None if value is None else validate_http_url(value)
 
     @model_validator(mode="after")
     def _one_schedule(self) -> JobConfig:
@@ -105,24 +206,37 @@ class Settings(BaseSettings):
         extra="forbid",
         validate_default=True,
     )
+    # The `scheduler:` section of config.yaml: the source below the environment.
+    yaml_section: ClassVar[dict[str, Any]] = {}
 
     database_url: SecretStr | None = None
     config: Path = Path("config.yaml")
     jobs_path: Path | None = None
     instance_name: str = Field(default_factory=default_instance_name)
     timezone: str = "UTC"
-    skip_alert_after: PositiveInt = 3
-    fail_alert_after: PositiveInt = 3
+    skip_alert_after: Threshold = 3
+    fail_alert_after: Threshold = 3
     alert_webhook_url: SecretStr | None = None
-    holder_timeout: float = Field(default=30.0, ge=2.0)
-    lock_namespace: int = Field(default=DEFAULT_LOCK_NAMESPACE, ge=-(2**31), le=2**31 - 1)
-    shutdown_grace: float = Field(default=30.0, ge=0)
-    max_workers: PositiveInt = 10
-    misfire_grace: float = Field(default=30.0, gt=0)
-    retention_days: float = Field(default=14.0, gt=0)
+    holder_timeout: Annotated[
+        float, _ranged(2, 3600, "must be a number of seconds between 2 and 3600")
+    ] = 30.0
+    lock_namespace: Annotated[int, _whole(-(2**31), 2**31 - 1)] = DEFAULT_LOCK_NAMESPACE
+    shutdown_grace: Annotated[
+        float, _ranged(0, 86400, "must be a number of seconds between 0 and 86400")
+    ] = 30.0
+    max_workers: Annotated[int, _whole(1, 10_000)] = 10
+    misfire_grace: Annotated[
+        float,
+        _ranged(
+            0, 86400, "must be a number of seconds above 0 and at most 86400 (1 day)", above=True
+        ),
+    ] = 30.0
+    retention_days: Annotated[
+        float, _ranged(0, 36500, "must be a number of days above 0 and at most 36500", above=True)
+    ] = 14.0
     http_host: str = "0.0.0.0"
-    http_port: int | None = Field(default=None, ge=0, le=65535)
-    log_format: Literal["text", "json"] = "text"
+    http_port: Annotated[int, _whole(0, 65535)] | None = None
+    log_format: Annotated[Literal["text", "json"], BeforeValidator(_lowercase)] = "text"
 
     @field_validator("timezone")
     @classmethod
@@ -133,8 +247,12 @@ class Settings(BaseSettings):
     @field_validator("instance_name")
     @classmethod
     def _instance(cls, value: str) -> str:
-        if not value or len(value.encode()) > MAX_APPLICATION_NAME:
-            raise ValueError(f"must be 1 to {MAX_APPLICATION_NAME} bytes (a PostgreSQL name)")
+        """A file name of the embedded lock folder and an ASCII PostgreSQL application_name."""
+        if not INSTANCE_NAME.fullmatch(value):
+            raise ValueError(
+                f"must be 1 to {MAX_APPLICATION_NAME} characters: letters, digits, '.', '_' "
+                "and '-' (it names this replica's lock files and PostgreSQL sessions)"
+            )
         return value
 
     @field_validator("database_url")
@@ -142,9 +260,15 @@ class Settings(BaseSettings):
     def _database(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None or not value.get_secret_value():
             return None
-        scheme = value.get_secret_value().split("://", 1)[0]
-        if scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
-            raise ValueError("must be a postgresql:// URL (leave it unset for the embedded mode)")
+        validate_database_url(value.get_secret_value())
+        return value
+
+    @field_validator("alert_webhook_url")
+    @classmethod
+    def _webhook(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        validate_http_url(value.get_secret_value())
         return value
 
     @classmethod
@@ -156,10 +280,8 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if settings_cls.model_config.get("yaml_file"):
-            sources.append(YamlConfigSettingsSource(settings_cls))
-        return tuple(sources)
+        section = dict(getattr(settings_cls, "yaml_section", {}))
+        return (init_settings, env_settings, InitSettingsSource(settings_cls, section))
 
     @property
     def embedded(self) -> bool:
@@ -207,6 +329,9 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
     section = document.get("scheduler") or {}
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: scheduler: must be a mapping of settings")
+    for name in section:
+        if not isinstance(name, str):
+            raise ConfigError(f"{path}: scheduler: {_shown(name)} is not the name of a setting")
     if "config" in section:
         raise ConfigError(
             f"{path}: scheduler.config: the config file cannot name itself; "
@@ -214,7 +339,7 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
         )
     overrides = {k: v for k, v in flags.items() if v is not None}
     overrides["config"] = path
-    settings = _settings(path if document.get("scheduler") else None, overrides)
+    settings = _settings(section, overrides)
     jobs_section = document.get("jobs") or {}
     if not isinstance(jobs_section, dict):
         raise ConfigError(f"{path}: jobs: must be a mapping of job name to schedule")
@@ -224,57 +349,149 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
     return Config(path, settings, jobs)
 
 
+class _Refused(yaml.MarkedYAMLError):
+    """A construct config.yaml does not allow, at its place in the file."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases, without deep nesting, without a key given twice.
+
+    An alias lets a 400-byte file stand for gigabytes (the "billion laughs"),
+    deep nesting exhausts the composer's recursion, and a key given twice
+    silently drops the first value (a job defined twice keeps the last).
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _Refused(
+                problem="anchors and aliases (&name, *name) are not allowed: write each value out",
+                problem_mark=event.start_mark,
+            )
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _Refused(
+                    problem=f"nested too deeply (more than {MAX_YAML_DEPTH} levels)",
+                    problem_mark=event.start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """A value YAML reads but Python cannot hold (a 5000-digit number, month 13) is refused."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            raise _Refused(
+                problem=f"cannot read this value: {shorten(one_line(exc))}",
+                problem_mark=node.start_mark,
+            ) from None
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = key in first
+            except TypeError:
+                continue  # an unhashable key: SafeLoader refuses it below
+            line = key_node.start_mark.line + 1
+            if seen:
+                raise _Refused(
+                    problem=f"{_shown(key)} is given twice (line {first[key]} and line {line}); "
+                    "the second would replace the first",
+                    problem_mark=key_node.start_mark,
+                )
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(
             f"{path}: config file not found (set --config or SCHEDULER_CONFIG)"
         ) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES // 1024 // 1024} MB")
     try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - data.rfind(b"\n", 0, exc.start)
+        raise ConfigError(
+            f"{path}: not UTF-8 text: byte 0x{data[exc.start]:02x} at line {line}, "
+            f"column {column}; save the file as UTF-8"
+        ) from None
+    document = _parse_yaml(path, text)
     if document is None:
         return {}
     if not isinstance(document, dict):
         raise ConfigError(f"{path}: must be a mapping with `scheduler:` and `jobs:` sections")
-    unknown = sorted(str(k) for k in document if k not in _TOP_LEVEL)
+    unknown = [k for k in document if k not in _TOP_LEVEL]
     if unknown:
         raise ConfigError(
-            f"{path}: unknown top-level field {unknown[0]!r} (expected `scheduler` and `jobs`)"
+            f"{path}: unknown top-level field {_shown(unknown[0])} "
+            "(expected `scheduler` and `jobs`)"
         )
     return document
 
 
-def _settings(section_file: Path | None, overrides: dict[str, Any]) -> Settings:
-    """Settings, with the `scheduler:` section of `section_file` as the YAML source."""
+def _parse_yaml(path: Path, text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        problem = shorten(" ".join(str(exc.problem or exc.context or "").split()))
+        if isinstance(exc, _Refused):
+            raise ConfigError(f"{path}: {where}: {problem}") from None
+        raise ConfigError(f"{path}: invalid YAML at {where}: {problem}") from None
+    except yaml.reader.ReaderError as exc:
+        before = text[: exc.position]
+        line, column = before.count("\n") + 1, exc.position - before.rfind("\n")
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise ConfigError(
+            f"{path}: invalid YAML at line {line}, column {column}: "
+            f"character #x{code:04x} is not allowed ({exc.reason})"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    except (yaml.YAMLError, ValueError, OverflowError) as exc:
+        raise ConfigError(f"{path}: invalid YAML: {shorten(one_line(exc))}") from None
+
+
+def _settings(section: dict[str, Any], overrides: dict[str, Any]) -> Settings:
+    """Settings, with the `scheduler:` section as the source below the environment."""
     path = overrides["config"]
 
     class FromFile(Settings):
-        model_config = (
-            SettingsConfigDict(yaml_file=section_file, yaml_config_section="scheduler")
-            if section_file
-            else SettingsConfigDict()
-        )
+        yaml_section = section
 
     try:
         return FromFile(**overrides)
     except ValidationError as exc:
         raise ConfigError(_settings_message(path, exc, overrides)) from None
-    except (TypeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: scheduler: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"{path}: scheduler: cannot be read ({type(exc).__name__})") from None
 
 
 def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any]) -> str:
     lines = []
     for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "scheduler"
+        field = shorten(".".join(str(part) for part in error["loc"]) or "scheduler", 100)
         env_name = f"{ENV_PREFIX}{field.upper()}"
         flag = field.replace("_", "-")
         if field in overrides and field != "config":
@@ -283,16 +500,16 @@ def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any
             where = f"environment {env_name}"
         else:
             where = f"{path}: scheduler.{field}"
-        value = _shown_value(field, error.get("input"))
-        message = _sentence(error["msg"])
         if error["type"] == "extra_forbidden":
-            message = "unknown setting"
-        lines.append(f"{where}: {message}{value}")
+            # Never the value: a misspelled database_url holds a password.
+            lines.append(f"{where}: unknown setting{_suggestion(field, Settings.model_fields)}")
+            continue
+        lines.append(f"{where}: {_sentence(error['msg'])}{_shown_value(field, error.get('input'))}")
     return "\n".join(lines)
 
 
 def _job(path: Path, name: str, body: Any) -> JobConfig:
-    where = f"{path}: jobs.{name}"
+    where = f"{path}: jobs.{shorten(name, 100)}"
     if not isinstance(body, dict):
         raise ConfigError(f"{where}: must be a mapping with `cron` or `interval`")
     try:
@@ -300,13 +517,17 @@ def _job(path: Path, name: str, body: Any) -> JobConfig:
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"])
-            message = _sentence(error["msg"])
-            if error["type"] == "extra_forbidden":
-                message = "unknown field"
+            field = shorten(".".join(str(part) for part in error["loc"]), 100)
             location = f"{where}.{field}" if field else where
+            if error["type"] == "extra_forbidden":
+                suggestion = _suggestion(field, JobConfig.model_fields)
+                lines.append(f"{location}: unknown field{suggestion}")
+                continue
+            message = _sentence(error["msg"])
             lines.append(f"{location}: {message}{_shown_value(field, error.get('input'))}")
         raise ConfigError("\n".join(lines)) from None
+    except Exception as exc:
+        raise ConfigError(f"{where}: cannot be read ({type(exc).__name__})") from None
     return job
 
 
@@ -315,12 +536,29 @@ def _sentence(message: str) -> str:
     return message[:1].lower() + message[1:]
 
 
-_SECRET_FIELDS = {"database_url", "alert_webhook_url", "ping_url"}
+def _suggestion(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+_SECRET_FIELDS = {"database_url", "alert_webhook_url"}
+_SECRET_WORDS = ("password", "secret", "token")
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 2 * SHOWN_MAX
+_REPR.maxlevel = 3
+
+
+def _shown(value: Any) -> str:
+    """A value as a message repeats it: its repr, cut to SHOWN_MAX characters."""
+    return shorten(_REPR.repr(value))
 
 
 def _shown_value(field: str, value: Any) -> str:
     if value is None or isinstance(value, dict):
         return ""
-    if field.split(".")[-1] in _SECRET_FIELDS:
+    name = field.split(".")[-1]
+    if name == "ping_url" and isinstance(value, str):
+        return f" (got {redact_http_url(value)}, its path hidden)"
+    if name in _SECRET_FIELDS or name == "ping_url" or any(w in name for w in _SECRET_WORDS):
         return " (value hidden: it may hold a secret)"
-    return f" (got {value!r})"
+    return f" (got {_shown(value)})"

@@ -2,27 +2,32 @@
 
 A leaf module: it knows nothing of schedules or databases. Discovery imports
 every ``*.py`` under the jobs folder (names starting with ``_`` are helpers,
-not job modules) and collects the decorated functions.
+not job modules) and collects every job the import registers: each `@job`
+call made while a job module runs is recorded, whether or not its function
+ends up bound to a module-level name (jobs made in a loop, by a factory).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import inspect
 import re
+import reprlib
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from scheduler.errors import ConfigError
+from scheduler.errors import ConfigError, shorten
 
 MAX_KEY = 2_147_483_647
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
-_MARK = "__scheduler_job__"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,6 +60,13 @@ def _short(path: str) -> str:
         return path
 
 
+def _shown(value: object) -> str:
+    """A value as a message repeats it, however large."""
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return "a number of more than 30 digits"
+    return shorten(reprlib.repr(value))
+
+
 def job(key: int, name: str | None = None) -> Callable[[F], F]:
     """Register a function as a fleet job with a stable numeric lock key.
 
@@ -62,19 +74,24 @@ def job(key: int, name: str | None = None) -> Callable[[F], F]:
     never change once the job is deployed; the name is what ``config.yaml``
     refers to.
     """
+    if callable(key) and name is None:
+        raise ConfigError(
+            f"{_where(key)}: job {_shown(getattr(key, '__name__', key))}: "
+            "a bare @job registers nothing: use @job(key=...) with the job's number"
+        )
 
     def mark(func: F) -> F:
         where = _where(func)
-        label = f"{where}: job {func.__name__!r}"
+        label = f"{where}: job {_shown(getattr(func, '__name__', func))}"
         if isinstance(key, bool) or not isinstance(key, int):
-            raise ConfigError(f"{label}: key must be a whole number, got {key!r}")
+            raise ConfigError(f"{label}: key must be a whole number, got {_shown(key)}")
         if not 1 <= key <= MAX_KEY:
-            raise ConfigError(f"{label}: key must be between 1 and {MAX_KEY}, got {key}")
+            raise ConfigError(f"{label}: key must be between 1 and {MAX_KEY}, got {_shown(key)}")
         job_name = func.__name__ if name is None else name
         if not isinstance(job_name, str) or not NAME_PATTERN.fullmatch(job_name):
             raise ConfigError(
                 f"{label}: name may only contain letters, digits, '_', '-' and '.', "
-                f"got {job_name!r}"
+                f"got {_shown(job_name)}"
             )
         params = [
             p
@@ -97,10 +114,16 @@ def job(key: int, name: str | None = None) -> Callable[[F], F]:
             is_async=inspect.iscoroutinefunction(func),
             source=where,
         )
-        setattr(func, _MARK, spec)
+        collector = _collector.get()
+        if collector is not None:
+            collector.append(spec)
         return func
 
     return mark
+
+
+# The jobs registered while a job module is being imported (see `_import`).
+_collector: ContextVar[list[JobSpec] | None] = ContextVar("scheduler_jobs", default=None)
 
 
 @dataclass(frozen=True)
@@ -133,49 +156,89 @@ def build_registry(specs: Iterable[JobSpec]) -> Registry:
 
 
 def job_files(jobs_path: Path) -> list[Path]:
-    """Job modules in a stable order; `_`-prefixed files and folders are helpers."""
+    """Job modules in a stable order; `_`-prefixed files and folders are helpers.
+
+    A symbolic link to a file outside the jobs folder is refused: what runs in
+    the fleet is what the jobs folder holds.
+    """
+    root = jobs_path.resolve()
     files = []
     for path in sorted(jobs_path.rglob("*.py")):
         parts = path.relative_to(jobs_path).parts
         if any(part.startswith(("_", ".")) for part in parts):
             continue
+        target = path.resolve()
+        if not target.is_relative_to(root):
+            raise ConfigError(
+                f"{path}: a symbolic link to {target}, outside the jobs folder {jobs_path}: "
+                "job modules must be files in the jobs folder"
+            )
         files.append(path)
     return files
 
 
+class _HelperFinder(importlib.abc.MetaPathFinder):
+    """Finds the jobs folder's `_`-prefixed top-level modules and packages by plain name.
+
+    Only those: were the folder on ``sys.path``, a job module named like a
+    library's optional module (``jobs/psycopg_c.py``) would be imported by
+    that library. It is the last finder, so it never shadows an installed
+    module either.
+    """
+
+    def __init__(self) -> None:
+        self.folders: list[str] = []
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or not fullname.startswith("_") or not self.folders:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, self.folders)
+
+
+_helpers = _HelperFinder()
+
+# The jobs each imported job module registered, by module name: a module is
+# imported once per process, and discovering it again gives the same jobs.
+_registered: dict[str, tuple[JobSpec, ...]] = {}
+
+
 def discover(jobs_path: Path) -> Registry:
-    """Import every job module under `jobs_path` and collect its jobs.
+    """Import every job module under `jobs_path` and collect the jobs it registers.
 
     Modules are loaded under a private package name so that a user's
-    ``jobs/email.py`` can never shadow the standard library; the folder is
-    appended to ``sys.path`` so jobs can import their ``_helpers``.
+    ``jobs/email.py`` can never shadow the standard library; `_`-prefixed
+    modules of the folder are importable by plain name (``from _db import
+    engine``), and nothing else of it.
     """
     if not jobs_path.is_dir():
         raise ConfigError(f"{jobs_path}: jobs folder not found")
     folder = str(jobs_path.resolve())
-    if folder not in sys.path:
-        sys.path.append(folder)
+    if folder not in _helpers.folders:
+        _helpers.folders.append(folder)
+    if _helpers not in sys.meta_path:
+        sys.meta_path.append(_helpers)
     specs: list[JobSpec] = []
     for path in job_files(jobs_path):
-        module = _import(path, jobs_path)
-        for value in vars(module).values():
-            spec = getattr(value, _MARK, None)
-            if isinstance(spec, JobSpec) and spec not in specs:
-                specs.append(spec)
+        specs.extend(_import(path, jobs_path))
     return build_registry(specs)
 
 
-def _import(path: Path, root: Path) -> Any:
+def _import(path: Path, root: Path) -> tuple[JobSpec, ...]:
+    """Import one job module (once per process); the jobs it registered."""
     relative = path.relative_to(root).with_suffix("")
     folder = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
     module_name = f"scheduler_jobs_{folder}." + ".".join(relative.parts)
-    if module_name in sys.modules:
-        return sys.modules[module_name]
+    if module_name in sys.modules and module_name in _registered:
+        return _registered[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    collected: list[JobSpec] = []
+    token = _collector.set(collected)
     try:
         spec.loader.exec_module(module)
     except ConfigError as exc:
@@ -186,7 +249,10 @@ def _import(path: Path, root: Path) -> Any:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise ConfigError(f"{path}: failed to import: {_describe(exc, path)}") from None
-    return module
+    finally:
+        _collector.reset(token)
+    _registered[module_name] = tuple(collected)
+    return _registered[module_name]
 
 
 def _describe(exc: BaseException, path: Path) -> str:
@@ -198,4 +264,4 @@ def _describe(exc: BaseException, path: Path) -> str:
         if Path(frame.filename).resolve() == path.resolve():
             line = frame.lineno
     where = f" (line {line})" if line else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    return f"{type(exc).__name__}: {shorten(str(exc))}{where}"

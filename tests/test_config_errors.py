@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -215,3 +217,90 @@ def test_a_good_config_checks_clean(tmp_path, capsys, monkeypatch):
     )
     code, _ = check(config, capsys, monkeypatch)
     assert code == 0
+
+
+def load(tmp_path: Path, config: str, monkeypatch, **env: str):
+    from scheduler.config import load_config
+
+    for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    return load_config(str(project(tmp_path, config)))
+
+
+def test_log_format_in_any_case(tmp_path, monkeypatch):
+    config = load(tmp_path, "scheduler:\n  log_format: JSON\njobs: {}\n", monkeypatch)
+    assert config.settings.log_format == "json"
+
+
+def test_log_format_from_the_environment_in_any_case(tmp_path, monkeypatch):
+    config = load(tmp_path, "jobs: {}\n", monkeypatch, SCHEDULER_LOG_FORMAT="Text")
+    assert config.settings.log_format == "text"
+
+
+def test_the_ends_of_every_range_are_accepted(tmp_path, monkeypatch):
+    config = load(
+        tmp_path,
+        "scheduler:\n  skip_alert_after: 1000000\n  fail_alert_after: 1\n"
+        "  holder_timeout: 3600\n  shutdown_grace: 0\n  misfire_grace: 86400\n"
+        "  retention_days: 36500\n  max_workers: 10000\n  http_port: 65535\n"
+        "jobs:\n  close_invoices:\n    interval: 1s\n    misfire_grace: 1d\n"
+        "  nightly-report:\n    interval: 3650d\n    skip_alert_after: 1000000\n",
+        monkeypatch,
+        SCHEDULER_HOLDER_TIMEOUT="2",
+    )
+    settings = config.settings
+    assert settings.holder_timeout == 2  # the environment wins over config.yaml
+    assert (settings.skip_alert_after, settings.max_workers, settings.http_port) == (
+        1_000_000,
+        10_000,
+        65535,
+    )
+    assert (settings.shutdown_grace, settings.misfire_grace, settings.retention_days) == (
+        0,
+        86400,
+        36500,
+    )
+    assert config.jobs["close_invoices"].interval == timedelta(seconds=1)
+    assert config.jobs["close_invoices"].misfire_grace == timedelta(days=1)
+    assert config.jobs["nightly-report"].interval == timedelta(days=3650)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://a:5432,b:5432/db?target_session_attrs=read-write",
+        "postgresql://scheduler:p%40ss%23w%3Ard@db.internal:5432/app",
+        "postgres://db/app?sslmode=require&password=x",
+        "postgresql+psycopg://[::1]:5432/app",
+    ],
+)
+def test_good_database_urls_are_accepted(url, tmp_path, monkeypatch):
+    config = load(tmp_path, "jobs: {}\n", monkeypatch, SCHEDULER_DATABASE_URL=url)
+    assert config.settings.database_url is not None
+    assert config.settings.database_url.get_secret_value() == url
+
+
+def test_the_default_instance_name_is_a_valid_one(monkeypatch):
+    import socket
+
+    from scheduler.config import INSTANCE_NAME, Settings, default_instance_name
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "rack 7/nœud.example" + "x" * 80)
+    name = default_instance_name()
+    assert INSTANCE_NAME.fullmatch(name), name
+    assert name.startswith("rack-7-n-ud.example") and name.endswith(f"-{os.getpid()}")
+    for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
+        monkeypatch.delenv(var)
+    assert Settings().instance_name == name
+
+
+def test_an_unknown_environment_variable_is_never_echoed(tmp_path, capsys, monkeypatch):
+    config = project(tmp_path, "jobs: {}\n")
+    for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SCHEDULER_DATABASE_URI", "postgresql://u:s3cr3tpw@db/app")
+    main(["check", "--config", str(config)])
+    captured = capsys.readouterr()
+    assert "s3cr3tpw" not in captured.out + captured.err
