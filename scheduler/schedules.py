@@ -3,24 +3,51 @@
 Every replica must compute the same ticks: interval grids are anchored at a
 fixed instant (the Unix epoch, or the job's ``start``), never at the moment a
 replica started, and no trigger ever gets APScheduler's random jitter.
+
+Ticks are aware UTC instants, and every walk over them steps in UTC and only
+forward: local wall-clock times repeat at DST changes, UTC instants never do.
+Cron is evaluated by cronsim, which does at DST changes what Debian's cron
+does: a job at a specific time (minute and hour fields both not starting with
+`*`) runs a repeated local time once, at its first occurrence, and a time in
+the skipped hour once, right after the gap; every other job follows the local
+wall clock in real time.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import re
+from abc import abstractmethod
+from collections import deque
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta, tzinfo
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.base import BaseTrigger
-from apscheduler.triggers.combining import OrTrigger
-from apscheduler.triggers.cron import CronTrigger
-from apscheduler.triggers.interval import IntervalTrigger
+from cronsim import CronSim, CronSimError
+
+log = logging.getLogger("scheduler.schedules")
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _DURATION = re.compile(
     r"^(?:(?P<d>\d+)d)?(?:(?P<h>\d+)h)?(?:(?P<m>\d+)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?$"
 )
-_DAYS = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]
+_MICROSECOND = timedelta(microseconds=1)
+# Cron minutes that map to instants already passed, in a row. Legitimate only
+# while a walk that starts inside a repeated hour passes its first occurrence
+# (an hour or two of minutes); far more means the engine is stuck.
+_STALL_LIMIT = 10_000
+_EXPECTED = "expected {}, in lists a,b, ranges low-high and steps */n or low-high/n"
+# Field names as cronsim reports them, with what each accepts.
+_FIELDS = {
+    "second": "0-59",
+    "minute": "0-59",
+    "hour": "0-23",
+    "day-of-month": "1-31",
+    "month": "1-12 or jan-dec",
+    "day-of-week": "0-7 or sun-sat, 0 and 7 both Sunday",
+}
 
 
 def parse_duration(value: object) -> timedelta:
@@ -69,74 +96,229 @@ def zone(name: str) -> tzinfo:
         ) from None
 
 
-def _cron_days(field: str) -> str:
-    """Standard cron weekdays (0 or 7 = Sunday) as APScheduler 3 names.
+class Schedule(BaseTrigger):  # type: ignore[misc]
+    """An APScheduler trigger whose ticks can also be listed, in UTC and in order."""
 
-    APScheduler 3 numbers weekdays from Monday = 0; cron numbers them from
-    Sunday = 0. Spelling the set out as names removes the ambiguity.
+    __slots__ = ()
+
+    @abstractmethod
+    def ticks_after(self, instant: datetime) -> Iterator[datetime]:
+        """Every tick strictly after `instant`, strictly increasing, as aware UTC datetimes."""
+
+    def get_next_fire_time(
+        self, previous_fire_time: datetime | None, now: datetime
+    ) -> datetime | None:
+        """APScheduler's contract: the first tick at or after min(now, previous + 1 µs).
+
+        As APScheduler's own triggers, never the previous tick again when `now`
+        is that tick (its loops would fire it forever).
+        """
+        start = now.astimezone(UTC)
+        if previous_fire_time is not None:
+            previous = previous_fire_time.astimezone(UTC)
+            if previous == datetime.max.replace(tzinfo=UTC):
+                return None
+            start = min(start, previous + _MICROSECOND)
+            if start == previous:
+                start += _MICROSECOND
+        return self.first_after(start - _MICROSECOND)
+
+    def first_after(self, instant: datetime) -> datetime | None:
+        return next(iter(self.ticks_after(instant)), None)
+
+
+class CronSchedule(Schedule):
+    """A cron expression in a time zone: five fields, or six with seconds first.
+
+    cronsim evaluates the five fields from the minute on (a 6-field expression
+    follows the DST rule its minute and hour fields decide, as a 5-field one
+    would); the seconds field then fills each minute that matches.
     """
-    days: set[int] = set()
-    for item in field.lower().split(","):
-        base, _, step_text = item.partition("/")
-        step = int(step_text) if step_text.isdigit() and int(step_text) > 0 else None
-        if step_text and step is None:
-            raise ValueError(f"bad step in day-of-week {item!r}")
-        if base == "*":
-            low, high = 0, 6
-        else:
-            ends = base.split("-")
-            if len(ends) > 2:
-                raise ValueError(f"bad day-of-week {item!r}")
-            numbers = [_day_number(end) for end in ends]
-            low, high = numbers[0], numbers[-1]
-            if step is not None and len(ends) == 1:
-                high = 6
-        if high < low:
-            if high == 0:  # mon-sun written as 1-7 or mon-sun
-                high = 7
-            else:
-                raise ValueError(f"bad day-of-week range {item!r}")
-        days.update(day % 7 for day in range(low, high + 1, step or 1))
-    if days == set(range(7)):
-        return "*"
-    return ",".join(_DAYS[d] for d in sorted(days))
+
+    __slots__ = ("_minutes", "_seconds", "expr", "timezone")
+
+    def __init__(self, expr: str, tz: tzinfo) -> None:
+        fields = expr.split()
+        if len(fields) not in (5, 6):
+            raise ValueError(f"expected 5 fields (or 6 with seconds first), found {len(fields)}")
+        self.expr = " ".join(fields)
+        self.timezone = tz
+        self._minutes = " ".join(fields[-5:])
+        _check_fields(self._minutes)
+        self._seconds = _seconds(fields[0]) if len(fields) == 6 else (0,)
+        if next(iter(self.ticks_after(EPOCH)), None) is None:
+            raise ValueError("never fires: no date matches its day-of-month, month and day-of-week")
+
+    def ticks_after(self, instant: datetime) -> Iterator[datetime]:
+        instant = instant.astimezone(UTC)
+        last, stalled = instant, 0
+        try:
+            # A minute whose last listed second is after `instant` may still hold a tick.
+            begin = (instant - timedelta(seconds=self._seconds[-1])).astimezone(self.timezone)
+            for minute in CronSim(self._minutes, begin):
+                base = minute.astimezone(UTC)
+                advanced = False
+                for second in self._seconds:
+                    tick = base + timedelta(seconds=second)
+                    if tick > last:
+                        yield tick
+                        last, advanced = tick, True
+                # Walking from inside a repeated hour, cronsim first lists that hour's
+                # first occurrence, already past (a job at a specific time ran then).
+                stalled = 0 if advanced else stalled + 1
+                if stalled > _STALL_LIMIT:
+                    log.error(
+                        "cron %r (%s): no tick after %s; stopped", self.expr, self.timezone, last
+                    )
+                    return
+        except OverflowError:  # the end (or the start) of datetime's range: no more ticks
+            return
+
+    def __str__(self) -> str:
+        return f"cron[{self.expr!r}, {self.timezone}]"
+
+    __repr__ = __str__
 
 
-def _day_number(text: str) -> int:
-    if text in _DAYS:
-        return _DAYS.index(text)
-    if text.isdigit() and 0 <= int(text) <= 7:
-        return int(text)
-    raise ValueError(f"bad day-of-week {text!r} (expected 0-7 or sun-sat)")
+class IntervalGrid(Schedule):
+    """Ticks at anchor + k * every (k >= 0), in exact microseconds, never past year 9999."""
+
+    __slots__ = ("_step", "anchor", "every")
+
+    def __init__(self, every: timedelta, anchor: datetime) -> None:
+        if every < _MICROSECOND:
+            raise ValueError("must be longer than zero")
+        self.every = every
+        self.anchor = anchor.astimezone(UTC)
+        self._step = every // _MICROSECOND
+
+    def _index_after(self, instant: datetime) -> int:
+        """The first k whose tick is strictly after `instant`."""
+        elapsed = (instant.astimezone(UTC) - self.anchor) // _MICROSECOND
+        return max(0, elapsed // self._step + 1)
+
+    def _tick(self, index: int) -> datetime | None:
+        try:
+            return self.anchor + timedelta(microseconds=index * self._step)
+        except OverflowError:
+            return None
+
+    def first_after(self, instant: datetime) -> datetime | None:
+        return self._tick(self._index_after(instant))
+
+    def ticks_after(self, instant: datetime) -> Iterator[datetime]:
+        for index in itertools.count(self._index_after(instant)):
+            tick = self._tick(index)
+            if tick is None:
+                return
+            yield tick
+
+    def latest(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
+        """The latest `limit` ticks in (after, until], computed, not walked."""
+        if until < self.anchor:
+            return []
+        last = ((until.astimezone(UTC) - self.anchor) // _MICROSECOND) // self._step
+        first = max(self._index_after(after), last - limit + 1)
+        return [t for t in (self._tick(k) for k in range(first, last + 1)) if t is not None]
+
+    def __str__(self) -> str:
+        return f"interval[{format_duration(self.every)}, from {self.anchor.isoformat()}]"
+
+    __repr__ = __str__
 
 
-def cron_trigger(expr: str, tz: tzinfo) -> BaseTrigger:
-    """Five fields (minute first) or six (seconds first), with cron's semantics.
+def _check_fields(expr: str) -> None:
+    """A ValueError naming the field at fault, or nothing."""
+    try:
+        CronSim(expr, EPOCH)
+    except CronSimError as exc:
+        values = dict(zip(list(_FIELDS)[1:], expr.split(), strict=True))
+        name = str(exc).removeprefix("Bad ")
+        if name not in values:
+            raise ValueError(f"not a cron expression ({exc})") from None
+        if name == "day-of-month" and _parses(" ".join({**values, "month": "*"}.values())):
+            raise ValueError(
+                f"never fires: day-of-month {values['day-of-month']!r} does not occur"
+                f" in month {values['month']!r}"
+            ) from None
+        raise ValueError(
+            f"bad {name} field {values[name]!r}: {_EXPECTED.format(_FIELDS[name])}"
+        ) from None
 
-    As in cron, when both day-of-month and day-of-week are restricted, a tick
-    fires when either matches.
+
+def _parses(expr: str) -> bool:
+    try:
+        CronSim(expr, EPOCH)
+    except CronSimError:
+        return False
+    return True
+
+
+def _seconds(field: str) -> tuple[int, ...]:
+    """The seconds a 6-field expression's first field lists, read by cronsim itself."""
+    minute_start = datetime(2001, 1, 1, tzinfo=UTC)
+    try:
+        ticks = CronSim(f"{field} 0 0 1 1 *", minute_start - timedelta(seconds=1))
+    except CronSimError:
+        raise ValueError(
+            f"bad second field {field!r}: {_EXPECTED.format(_FIELDS['second'])}"
+        ) from None
+    end = minute_start + timedelta(minutes=1)
+    return tuple(t.second for t in itertools.takewhile(lambda t: t < end, ticks))
+
+
+def cron_trigger(expr: str, tz: tzinfo) -> CronSchedule:
+    """Five fields (minute first) or six (seconds first), as Debian's cron reads them.
+
+    Day-of-month and day-of-week are ORed when neither starts with `*`, else
+    ANDed; weekday 0 or 7 is Sunday; names (sun-sat, jan-dec) in any case.
     """
-    fields = expr.split()
-    if len(fields) not in (5, 6):
-        raise ValueError(f"expected 5 fields (or 6 with seconds first), found {len(fields)}")
-    second = fields.pop(0) if len(fields) == 6 else "0"
-    minute, hour, day, month, weekday = fields
-    weekday = _cron_days(weekday)
-    common = {"second": second, "minute": minute, "hour": hour, "month": month, "timezone": tz}
-    if day != "*" and weekday != "*":
-        return OrTrigger(
-            [CronTrigger(day=day, **common), CronTrigger(day_of_week=weekday, **common)]
-        )
-    return CronTrigger(day=day, day_of_week=weekday, **common)
+    return CronSchedule(expr, tz)
 
 
-def interval_trigger(every: timedelta, start: datetime | None) -> IntervalTrigger:
-    anchor = start if start is not None else EPOCH
-    return IntervalTrigger(seconds=every.total_seconds(), start_date=anchor, timezone=UTC)
+def interval_trigger(every: timedelta, start: datetime | None) -> IntervalGrid:
+    return IntervalGrid(every, start if start is not None else EPOCH)
+
+
+def _ticks(trigger: BaseTrigger, instant: datetime) -> Iterator[datetime]:
+    """Ticks strictly after `instant`, in UTC; each must be later than the one before."""
+    instant = instant.astimezone(UTC)
+    if isinstance(trigger, Schedule):
+        found: Iterable[datetime] = trigger.ticks_after(instant)
+    else:
+        found = _stepped(trigger, instant)
+    previous = instant
+    for tick in found:
+        if tick <= previous:
+            log.error("schedule %s: tick %s is not after %s; stopped", trigger, tick, previous)
+            return
+        yield tick
+        previous = tick
+
+
+def _stepped(trigger: BaseTrigger, instant: datetime) -> Iterator[datetime]:
+    """Any other APScheduler trigger, asked for each next tick from a UTC instant."""
+    tick = trigger.get_next_fire_time(None, instant + _MICROSECOND)
+    while tick is not None:
+        tick = tick.astimezone(UTC)
+        yield tick
+        tick = trigger.get_next_fire_time(None, tick + _MICROSECOND)
 
 
 def next_tick(trigger: BaseTrigger, now: datetime) -> datetime | None:
-    return trigger.get_next_fire_time(None, now)
+    """The first tick at or after `now` (what APScheduler fires next)."""
+    tick = trigger.get_next_fire_time(None, now)
+    return tick.astimezone(UTC) if tick is not None else None
+
+
+def tick_after(trigger: BaseTrigger, instant: datetime) -> datetime | None:
+    """The first tick strictly after `instant`."""
+    return next(_ticks(trigger, instant), None)
+
+
+def next_ticks(trigger: BaseTrigger, after: datetime, n: int) -> list[datetime]:
+    """The next `n` ticks strictly after `after`, in UTC."""
+    return list(itertools.islice(_ticks(trigger, after), max(n, 0)))
 
 
 def ticks_between(
@@ -145,17 +327,20 @@ def ticks_between(
     """The latest `limit` ticks in (after, until]: what should have fired.
 
     Looks back through a growing window from `until`, so a one-second job
-    that was down for days costs `limit` steps, not a step per second.
+    that was down for days costs about `limit` steps, not a step per second;
+    an interval grid computes them directly.
     """
+    after, until = after.astimezone(UTC), until.astimezone(UTC)
+    if limit < 1 or until <= after:
+        return []
+    if isinstance(trigger, IntervalGrid):
+        return trigger.latest(after, until, limit)
     window = timedelta(minutes=1)
     while True:
-        since = max(after, until - window)
-        ticks: list[datetime] = []
-        tick = trigger.get_next_fire_time(None, since + timedelta(microseconds=1))
-        while tick is not None and tick <= until:
-            if tick > since:
-                ticks.append(tick)
-            tick = trigger.get_next_fire_time(tick, tick + timedelta(microseconds=1))
-        if len(ticks) >= limit or since == after:
-            return ticks[-limit:] if limit else []
+        since = after if window >= until - after else until - window
+        latest: deque[datetime] = deque(maxlen=limit)
+        for tick in itertools.takewhile(lambda t: t <= until, _ticks(trigger, since)):
+            latest.append(tick)
+        if len(latest) >= limit or since == after:
+            return list(latest)
         window *= 8
