@@ -6,6 +6,7 @@ leaf like its inputs: no database code.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from scheduler.schedules import (
     format_duration,
     interval_trigger,
     next_tick,
+    next_ticks,
     zone,
 )
 
@@ -73,9 +75,20 @@ class CatalogJob:
         return text if self.schedule.enabled else f"{text} (disabled)"
 
     def next_tick(self, now: datetime) -> datetime | None:
+        """The first tick at or after `now` (UTC), if the job fires on its own."""
         if not self.scheduled or self.trigger is None:
             return None
         return next_tick(self.trigger, now)
+
+    def next_ticks(self, after: datetime, n: int) -> list[datetime]:
+        """The next `n` ticks strictly after `after` (UTC); none if it does not fire on its own."""
+        if not self.scheduled or self.trigger is None:
+            return []
+        return next_ticks(self.trigger, after, n)
+
+    def local(self, tick: datetime) -> str:
+        """A tick as ISO-8601 in the job's time zone, with its offset at that instant."""
+        return tick.astimezone(zone(self.timezone)).isoformat()
 
     def as_json(self, now: datetime) -> dict[str, object]:
         """What `scheduler jobs` and `scheduler status` say of every job."""
@@ -86,7 +99,7 @@ class CatalogJob:
             "schedule": self.describe(),
             "timezone": self.timezone,
             "enabled": self.enabled,
-            "next_tick": tick.isoformat() if tick else None,
+            "next_tick": self.local(tick) if tick else None,
         }
 
 
@@ -135,6 +148,39 @@ def trigger_for(key: tuple[object, ...]) -> BaseTrigger:
         return interval_trigger(value, where)
     assert isinstance(value, str) and isinstance(where, str)
     return cron_trigger(value, zone(where))
+
+
+def schedule_text(job: CatalogJob) -> str | None:
+    """The job's schedule as the replicas write it down and compare it (JSON, canonical).
+
+    None for a job that does not fire on its own (unscheduled or disabled). Two
+    replicas fire a job at the same ticks exactly when their texts are equal.
+    """
+    if not job.scheduled or job.schedule_key is None:
+        return None
+    kind, value, where = job.schedule_key
+    if kind == "interval":
+        assert isinstance(value, timedelta) and (where is None or isinstance(where, datetime))
+        body: dict[str, object] = {
+            "interval": value.total_seconds(),
+            "start": where.isoformat() if where else None,
+        }
+    else:
+        body = {"cron": value, "timezone": where}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+def trigger_of(text: str) -> BaseTrigger | None:
+    """The trigger a replica's written-down schedule stands for; None if it cannot be read
+    (written by another version): such a schedule is never taken to contain a tick."""
+    try:
+        body = json.loads(text)
+        if "interval" in body:
+            start = datetime.fromisoformat(body["start"]) if body["start"] else None
+            return trigger_for(("interval", timedelta(seconds=body["interval"]), start))
+        return trigger_for(("cron", body["cron"], body["timezone"]))
+    except (ValueError, TypeError, KeyError, AssertionError, OverflowError):
+        return None
 
 
 def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:

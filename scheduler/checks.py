@@ -32,7 +32,7 @@ class Check:
     fatal: bool = True
 
 
-def database_checks(url: str, instance: str) -> list[Check]:
+def database_checks(url: str, instance: str, schema: str = "public") -> list[Check]:
     shown = redact_database_url(url)
     secrets = database_url_secrets(url)
 
@@ -46,7 +46,8 @@ def database_checks(url: str, instance: str) -> list[Check]:
     checks = [Check("connect", True, shown)]
     try:
         with conn:
-            checks += _server_checks(conn)
+            conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
+            checks += _server_checks(conn, schema)
     except Exception as exc:
         checks.append(Check("connection", False, f"failed during the checks: {failure(exc)}"))
         return checks
@@ -65,7 +66,7 @@ def database_checks(url: str, instance: str) -> list[Check]:
     return checks
 
 
-def _server_checks(conn: psycopg.Connection) -> list[Check]:  # type: ignore[type-arg]
+def _server_checks(conn: psycopg.Connection, schema: str) -> list[Check]:  # type: ignore[type-arg]
     checks: list[Check] = []
     version = conn.info.server_version
     checks.append(
@@ -87,7 +88,7 @@ def _server_checks(conn: psycopg.Connection) -> list[Check]:  # type: ignore[typ
             else "connected to the primary",
         )
     )
-    checks.append(_privileges(conn))
+    checks.append(_privileges(conn, schema))
     row = conn.execute("SELECT now()").fetchone()
     assert row is not None
     offset = (datetime.now(UTC) - row[0]).total_seconds()
@@ -103,13 +104,16 @@ def _server_checks(conn: psycopg.Connection) -> list[Check]:  # type: ignore[typ
     return checks
 
 
-def _privileges(conn: psycopg.Connection) -> Check:  # type: ignore[type-arg]
+def _privileges(conn: psycopg.Connection, schema: str) -> Check:  # type: ignore[type-arg]
+    """The fleet's schema: its tables usable, or creatable (and the schema too, if missing)."""
     row = conn.execute(
         "SELECT to_regclass('scheduler_ticks') IS NOT NULL,"
-        " has_schema_privilege(current_schema(), 'CREATE'), current_schema(), current_user"
+        " EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %s),"
+        " has_database_privilege(current_database(), 'CREATE'), current_user",
+        (schema,),
     ).fetchone()
     assert row is not None
-    exists, can_create, schema, user = row
+    exists, schema_exists, can_create_schema, user = row
     if exists:
         row = conn.execute(
             "SELECT has_table_privilege('scheduler_ticks', 'SELECT, INSERT, UPDATE, DELETE')"
@@ -122,9 +126,20 @@ def _privileges(conn: psycopg.Connection) -> Check:  # type: ignore[type-arg]
             else f"{user} lacks SELECT/INSERT/UPDATE/DELETE on the ledger tables in {schema}"
         )
         return Check("privileges", ok, detail)
+    if not schema_exists:
+        return Check(
+            "privileges",
+            bool(can_create_schema),
+            f"{user} can create schema {schema} and the ledger tables in it"
+            if can_create_schema
+            else f"schema {schema} does not exist and {user} cannot create it"
+            f" (CREATE SCHEMA {schema} AUTHORIZATION {user}, or GRANT CREATE ON DATABASE)",
+        )
+    row = conn.execute("SELECT has_schema_privilege(%s, 'CREATE')", (schema,)).fetchone()
+    can_create = bool(row and row[0])
     return Check(
         "privileges",
-        bool(can_create),
+        can_create,
         f"{user} can create the ledger tables in schema {schema}"
         if can_create
         else f"{user} cannot create tables in schema {schema} (GRANT CREATE ON SCHEMA {schema})",

@@ -9,17 +9,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from scheduler import __version__
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, load_catalog
 from scheduler.config import Config, load_config
 from scheduler.errors import ConfigError, one_line
+from scheduler.schedules import zone
+from scheduler.statuses import Status
+from scheduler.text import printable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD = 0, 1, 2, 3
+MAX_PREVIEW = 1000  # ticks `jobs --next` lists per job, at most
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,13 +36,28 @@ def _parser() -> argparse.ArgumentParser:
         prog="scheduler",
         description="A fleet scheduler: every tick of every job runs on exactly one replica.",
     )
+    parser.add_argument("--version", action="version", version=f"scheduler {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", parents=[common], help="run the daemon")
     run.add_argument("--http-port", type=int, help="serve /healthz, /readyz, /metrics")
     commands.add_parser(
         "check", parents=[common], help="validate config, jobs and keys (and the database)"
     )
-    jobs = commands.add_parser("jobs", parents=[common], help="list every job and its next tick")
+    jobs = commands.add_parser(
+        "jobs", parents=[common], help="list every job and its next tick (or its next N ticks)"
+    )
+    jobs.add_argument("job", nargs="?", help="only this job")
+    jobs.add_argument(
+        "--next",
+        metavar="N",
+        help=f"list each job's next N ticks (1 to {MAX_PREVIEW}), in its time zone",
+    )
+    jobs.add_argument(
+        "--after",
+        metavar="ISO-8601",
+        help="count ticks from this instant instead of now, e.g. 2026-10-25T01:30:00+01:00; "
+        "without an offset it is read in the `timezone` setting",
+    )
     jobs.add_argument("--json", action="store_true")
     status = commands.add_parser("status", parents=[common], help="the fleet now")
     status.add_argument("--json", action="store_true")
@@ -64,12 +85,22 @@ def _positive(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
     except ConfigError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    if args.command in ("run", "trigger"):
+        # Job code ran in this process and may have left threads of its own (not daemon
+        # threads), which the interpreter would wait for. Every lock is released by now.
+        from scheduler.logs import stop_logging
+
+        stop_logging()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -83,7 +114,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
         return _check(config, catalog)
     if args.command == "jobs":
-        return _jobs(catalog, as_json=args.json)
+        return _jobs(config, catalog, args.job, args.next, args.after, as_json=args.json)
     if args.command == "status":
         return _status(config, catalog, as_json=args.json)
     if args.command == "history":
@@ -127,21 +158,84 @@ def _check(config: Config, catalog: Catalog) -> int:
     from scheduler.checks import database_checks
 
     fatal = False
-    for check in database_checks(settings.database_url.get_secret_value(), settings.instance_name):
+    print(f"{'schema':<16} {'ok':<4} {settings.schema_name} (lock namespace {settings.namespace})")
+    url = settings.database_url.get_secret_value()
+    for check in database_checks(url, settings.instance_name, settings.schema_name):
         mark = "ok" if check.ok else ("FAIL" if check.fatal else "warn")
         print(f"{check.name:<16} {mark:<4} {check.detail}")
         fatal |= check.fatal and not check.ok
     return EXIT_USAGE if fatal else EXIT_OK
 
 
-def _jobs(catalog: Catalog, *, as_json: bool) -> int:
-    now = datetime.now(UTC)
-    rows = [{**job.as_json(now), "source": job.spec.source} for job in catalog]
-    if as_json:
-        print(json.dumps(rows, indent=2))
+def _jobs(
+    config: Config,
+    catalog: Catalog,
+    name: str | None,
+    count: str | None,
+    after: str | None,
+    *,
+    as_json: bool,
+) -> int:
+    """Every job (or one) and its next tick; with `--next N`, its next N ticks."""
+    n = _preview_count(count) if count is not None else None
+    now = _instant(after, config.settings.timezone) if after is not None else datetime.now(UTC)
+    jobs = list(catalog)
+    if name is not None:
+        job = catalog.by_name(name)
+        if job is None:
+            raise ConfigError(f"no job named {name!r} (see `scheduler jobs`)")
+        jobs = [job]
+    if n is None:
+        rows = [{**job.as_json(now), "source": job.spec.source} for job in jobs]
+        if as_json:
+            print(json.dumps(rows, indent=2))
+        else:
+            _table(rows, ["name", "key", "schedule", "timezone", "next_tick", "source"])
         return EXIT_OK
-    _table(rows, ["name", "key", "schedule", "timezone", "next_tick", "source"])
+    previews = [(job, job.next_ticks(now, n)) for job in jobs]
+    if as_json:
+        document = []
+        for job, ticks in previews:
+            local = [job.local(tick) for tick in ticks]
+            row = {**job.as_json(now), "source": job.spec.source}
+            document.append({**row, "next_tick": local[0] if local else None, "next_ticks": local})
+        print(json.dumps(document, indent=2))
+        return EXIT_OK
+    for job, ticks in previews:
+        print(f"{job.name} (key {job.key}): {job.describe()}, {job.timezone}")
+        for tick in ticks:
+            local = job.local(tick)
+            print(f"  {local}" + ("" if local.endswith("+00:00") else f"  ({tick.isoformat()})"))
+        if not ticks:
+            print("  no ticks: " + ("runs only by hand" if job.schedule is None else "disabled"))
     return EXIT_OK
+
+
+def _preview_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_PREVIEW:
+        raise ConfigError(f"--next: expected a whole number from 1 to {MAX_PREVIEW}, got {text!r}")
+    return value
+
+
+def _instant(text: str, default_zone: str) -> datetime:
+    """ISO-8601; without an offset, a wall-clock time in `default_zone`."""
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConfigError(
+            f"--after: expected an ISO-8601 date and time such as 2026-10-25T01:30:00+01:00,"
+            f" got {text!r}"
+        ) from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=zone(default_zone))
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ConfigError(f"--after: {text!r} is out of range (years 1 to 9999)") from None
 
 
 def _ledger_backend(config: Config) -> Backend:
@@ -215,6 +309,7 @@ def _history(
             "duration_s",
             "error",
             "run_id",
+            "told",
         ],
     )
     return EXIT_OK
@@ -223,7 +318,7 @@ def _history(
 def _trigger(config: Config, catalog: Catalog, name: str) -> int:
     from scheduler.backends.base import Outcome
     from scheduler.gate import Gate
-    from scheduler.logs import RunLog, setup_logging
+    from scheduler.logs import RunLog, setup_logging, stop_logging
 
     job = catalog.by_name(name)
     if job is None:
@@ -242,22 +337,27 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
     try:
         result = gate.trigger(job)
     finally:
-        gate.stop(settings.shutdown_grace)
+        if gate.stop(settings.shutdown_grace):  # given up: its lock goes with this process
+            stop_logging()
+            os._exit(EXIT_FAILED)
     if result.outcome is Outcome.HELD:
-        print(f"{name}: not run: its lock is held by {result.holder or 'another replica'}")
+        print(
+            f"{name}: not run: its lock is held by {printable(result.holder or 'another replica')}"
+        )
         return EXIT_HELD
     if result.outcome is not Outcome.RUN:
-        print(f"{name}: not run: {result.error or result.outcome}")
+        print(f"{name}: not run: {printable(result.error or result.outcome)}")
         return EXIT_FAILED
     print(
         f"{name}: run {result.run_id} {result.status}"
-        + (f": {result.error}" if result.error else "")
+        + (f": {printable(result.error)}" if result.error else "")
     )
-    return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
+    return EXIT_OK if result.status == Status.SUCCEEDED else EXIT_FAILED
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    cells = [[("" if row[c] is None else str(row[c])) for c in columns] for row in rows]
+    """Aligned columns; what a job or a name said is shown escaped (one row, one line)."""
+    cells = [[("" if row[c] is None else printable(str(row[c]))) for c in columns] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for r in cells:

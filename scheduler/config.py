@@ -15,6 +15,7 @@ import os
 import re
 import reprlib
 import socket
+import zlib
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
+    AliasChoices,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -43,6 +45,7 @@ from scheduler.schedules import cron_trigger, parse_duration, zone
 from scheduler.urls import redact_http_url, validate_database_url, validate_http_url
 
 ENV_PREFIX = "SCHEDULER_"
+SCHEMA_NAME = re.compile(r"(?!pg_)[a-z_][a-z0-9_]{0,62}")
 DEFAULT_LOCK_NAMESPACE = 0x53434844  # the ASCII bytes "SCHD": 1396918340
 MAX_APPLICATION_NAME = 63  # PostgreSQL truncates application_name beyond this
 INSTANCE_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_APPLICATION_NAME}}}")
@@ -220,7 +223,12 @@ class Settings(BaseSettings):
     holder_timeout: Annotated[
         float, _ranged(2, 3600, "must be a number of seconds between 2 and 3600")
     ] = 30.0
-    lock_namespace: Annotated[int, _whole(-(2**31), 2**31 - 1)] = DEFAULT_LOCK_NAMESPACE
+    # None: DEFAULT_LOCK_NAMESPACE for the schema `public`, else derived from the schema's
+    # name, so fleets in separate schemas never meet on a lock (see `namespace`).
+    lock_namespace: Annotated[int, _whole(-(2**31), 2**31 - 1)] | None = None
+    schema_name: str = Field(
+        default="public", validation_alias=AliasChoices("schema", f"{ENV_PREFIX}SCHEMA")
+    )
     shutdown_grace: Annotated[
         float, _ranged(0, 86400, "must be a number of seconds between 0 and 86400")
     ] = 30.0
@@ -242,6 +250,16 @@ class Settings(BaseSettings):
     @classmethod
     def _zone(cls, value: str) -> str:
         zone(value)
+        return value
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema(cls, value: str) -> str:
+        if not SCHEMA_NAME.fullmatch(value):
+            raise ValueError(
+                "must be a PostgreSQL schema name: 1 to 63 lowercase letters, digits and '_',"
+                " not starting with a digit (and not pg_...)"
+            )
         return value
 
     @field_validator("instance_name")
@@ -286,6 +304,15 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return self.database_url is None
+
+    @property
+    def namespace(self) -> int:
+        """The first integer of every advisory lock of this fleet."""
+        if self.lock_namespace is not None:
+            return self.lock_namespace
+        if self.schema_name == "public":
+            return DEFAULT_LOCK_NAMESPACE
+        return zlib.crc32(f"scheduler:{self.schema_name}".encode()) & 0x7FFFFFFF
 
     @property
     def resolved_jobs_path(self) -> Path:
@@ -502,7 +529,7 @@ def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any
             where = f"{path}: scheduler.{field}"
         if error["type"] == "extra_forbidden":
             # Never the value: a misspelled database_url holds a password.
-            lines.append(f"{where}: unknown setting{_suggestion(field, Settings.model_fields)}")
+            lines.append(f"{where}: unknown setting{_suggestion(field, setting_names())}")
             continue
         lines.append(f"{where}: {_sentence(error['msg'])}{_shown_value(field, error.get('input'))}")
     return "\n".join(lines)
@@ -534,6 +561,11 @@ def _job(path: Path, name: str, body: Any) -> JobConfig:
 def _sentence(message: str) -> str:
     message = message.removeprefix("Value error, ")
     return message[:1].lower() + message[1:]
+
+
+def setting_names() -> list[str]:
+    """The settings as users spell them (a field's alias where it has one)."""
+    return ["schema" if name == "schema_name" else name for name in Settings.model_fields]
 
 
 def _suggestion(name: str, known: Iterable[str]) -> str:

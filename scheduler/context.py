@@ -1,4 +1,4 @@
-"""RunContext: what a job function receives about the tick it is running."""
+"""RunContext: what a job function receives about the tick it is running; Interrupted."""
 
 from __future__ import annotations
 
@@ -29,3 +29,12 @@ class RunContext:
     log: logging.LoggerAdapter = field(  # type: ignore[type-arg]
         default_factory=lambda: logging.LoggerAdapter(logging.getLogger("scheduler.job"))
     )
+
+
+class Interrupted(Exception):
+    """Raise it from a job to stop early when told to (`ctx.stopping`, `ctx.lock_lost`).
+
+    The run is recorded `interrupted`, not `failed`: it is no failure of the
+    job, and it does not count towards `fail_alert_after`. The message, if
+    any, is kept as the run's reason.
+    """

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
@@ -21,18 +22,18 @@ from typing import Any
 
 from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from scheduler import events
-from scheduler.alerts import Alerts, Webhook
 from scheduler.backends import Backend, open_backend
 from scheduler.backends.base import Unavailable
 from scheduler.catalog import Catalog, CatalogJob
 from scheduler.config import Config
-from scheduler.errors import one_line
+from scheduler.errors import ConfigError, one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
 from scheduler.logs import RunLog, stop_logging
+from scheduler.notices import Notices
 from scheduler.pings import Pings
 from scheduler.schedules import ticks_between
 
@@ -140,23 +141,18 @@ class Daemon:
             from scheduler.metrics import Metrics
 
             self.metrics = Metrics([job.name for job in catalog])
-        self.webhook = (
-            Webhook(
-                self.settings.alert_webhook_url.get_secret_value(),
-                on_result=self.metrics.delivery if self.metrics else None,
-            )
-            if self.settings.alert_webhook_url
-            else None
-        )
-        alerts = Alerts(
+        webhook = self.settings.alert_webhook_url
+        self.notices = Notices(
+            self.backend.ledger_engine,
             self.settings.instance_name,
-            self.webhook,
+            webhook.get_secret_value() if webhook else None,
             on_alert=self.metrics.alert if self.metrics else None,
+            on_delivery=self.metrics.delivery if self.metrics else None,
         )
         self.pings = Pings()
         observers = [
             RunLog(structured=self.settings.log_format == "json"),
-            alerts,
+            self.notices,
             self.pings,
             *([self.metrics] if self.metrics else []),
         ]
@@ -173,6 +169,7 @@ class Daemon:
             catalog,
             self.settings,
             on_streaks=self.metrics.streaks if self.metrics else None,
+            notices=self.notices,
         )
         self.scheduler = build_scheduler(catalog, self.gate)
         self.http = None
@@ -189,24 +186,39 @@ class Daemon:
             )
 
     def prepare(self) -> bool:
-        """Create or migrate the schema; waits for the database rather than exiting."""
+        """Create or migrate the schema; waits for the database rather than exiting.
+
+        What no retry can mend (a wrong password, a database or privilege that
+        does not exist, a pooler that does not keep sessions) ends the start-up
+        with the one line `scheduler check` prints (ConfigError: exit 2); the
+        rest is retried, at ERROR once it has lasted a minute.
+        """
         backoff = Backoff(first=0.5, cap=5.0)
+        since = time.monotonic()
         while not self.stop_requested.is_set():
             try:
-                self.backend.verify()  # a PoolerError ends the start-up: exit 2
+                self.backend.verify()
                 found = self.backend.migrate()
                 self.housekeeping.track_jobs()
             except Unavailable as exc:
-                log.warning("database unreachable (%s); retrying", exc)
-            except SQLAlchemyError as exc:  # no database error ends the daemon
-                level = logging.WARNING if _is_unreachable(exc) else logging.ERROR
-                log.log(level, "cannot prepare the ledger (%s); retrying", one_line(exc))
+                problem = str(exc)
+            except SQLAlchemyError as exc:  # no passing database error ends the daemon
+                if is_permanent(exc):
+                    raise ConfigError(f"cannot prepare the ledger: {self._say(exc)}") from None
+                problem = self._say(exc)
             else:
                 if found == 0:
                     log.info("created the ledger schema")
                 return True
+            waited = time.monotonic() - since
+            level = logging.ERROR if waited > 60 else logging.WARNING
+            log.log(level, "database unreachable (%s); retrying", problem)
             self.stop_requested.wait(backoff.next_delay() + 0.5)
         return False
+
+    def _say(self, exc: BaseException) -> str:
+        say = getattr(self.backend, "say", None)
+        return say(exc) if callable(say) else one_line(exc)
 
     def run(self) -> int:
         self._install_signals()
@@ -245,17 +257,23 @@ class Daemon:
         self.scheduler.shutdown(wait=False)
         self.housekeeping.stop()
         abandoned = self.gate.stop(self.settings.shutdown_grace)
-        self._close()
         if abandoned:
-            log.error("gave up waiting for %s; recorded crashed", ", ".join(abandoned))
+            # Their threads cannot be stopped. They were told (ctx.lock_lost) and recorded
+            # crashed; their locks go with the session when the process ends, now, so no
+            # other replica starts the job while they still run. Notices stay in the outbox.
+            log.error(
+                "gave up waiting for %s: told them their lock is lost, recorded them crashed; "
+                "exiting now (their locks go with this process)",
+                ", ".join(abandoned),
+            )
             stop_logging()
-            os._exit(0)  # their threads cannot be stopped; the locks are already released
+            os._exit(0)
+        self._close()
         log.info("stopped cleanly; every lock released")
         return 0
 
     def _close(self) -> int:
-        if self.webhook is not None:
-            self.webhook.close()
+        self.notices.close()
         self.pings.close()
         if self.http is not None:
             self.http.stop()
@@ -284,5 +302,8 @@ class Daemon:
         self.stop_requested.set()
 
 
-def _is_unreachable(exc: BaseException) -> bool:
-    return isinstance(exc, OperationalError)
+def is_permanent(exc: BaseException) -> bool:
+    """A ledger error no retry mends (PostgreSQL only: the embedded file has none)."""
+    from scheduler.backends.postgres import is_permanent as refused
+
+    return refused(exc)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+from scheduler.statuses import Status
+
 
 @dataclass(frozen=True)
 class RunStarted:
@@ -18,7 +20,6 @@ class RunStarted:
     manual: bool
     crashed: int  # stale runs of this job the claim marked crashed
     skips_ended: int  # length of the fleet-wide skip streak this run ends
-    skips_recovered: bool  # that streak had alerted
     ping_url: str | None
 
 
@@ -29,15 +30,18 @@ class RunFinished:
     scheduled_at: datetime
     run_id: int
     instance: str
-    status: str  # succeeded, failed or crashed
+    status: Status  # succeeded, failed, interrupted or crashed
     error: str | None
     duration_s: float
     recorded: bool  # False: the run had lost its lock and its row was taken over
     lock_lost: bool
+    told: str | None  # what the run was told while it ran (statuses.Told, comma-separated)
     consecutive_failures: int | None  # failed: the streak so far; succeeded: the streak ended
     failures_threshold: int
     failures_alert: bool  # this failure made the streak reach its threshold
     failures_recovered: bool  # this success ends a failure streak that had alerted
+    skips_recovered: bool  # this run kept up again after an overrun that had alerted
+    notices: tuple[int, ...]  # outbox notices the finish raised (delivered by scheduler.notices)
     ping_url: str | None
 
 
@@ -52,6 +56,7 @@ class TickSkipped:
     consecutive_skips: int
     threshold: int
     alert: bool  # this skip made the fleet-wide streak reach its threshold
+    notices: tuple[int, ...] = ()  # the alert, in the outbox (delivered by scheduler.notices)
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,19 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from apscheduler.triggers.base import BaseTrigger
 from sqlalchemy import Connection
 
 from scheduler import ledger
-from scheduler.catalog import Catalog
+from scheduler.catalog import Catalog, CatalogJob, schedule_text, trigger_of
 from scheduler.config import Settings
-from scheduler.errors import one_line
-from scheduler.schedules import ticks_between
+from scheduler.errors import ConfigError, one_line
+from scheduler.schedules import tick_after, ticks_between
+from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 
 if TYPE_CHECKING:
     from scheduler.backends import Backend
+    from scheduler.notices import Notices
 
 log = logging.getLogger("scheduler.housekeeping")
 
@@ -38,7 +41,6 @@ SWEEP_EVERY = 30.0  # seconds between sweeps, fleet-wide
 PRUNE_EVERY = 3600.0
 MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight
-CRASHED = "replica died while the run was in progress (found by the sweep)"
 
 
 class Housekeeping:
@@ -48,20 +50,55 @@ class Housekeeping:
         catalog: Catalog,
         settings: Settings,
         on_streaks: Callable[[dict[str, int]], None] | None = None,
+        notices: Notices | None = None,
     ) -> None:
         self.backend = backend
         self.catalog = catalog
         self.settings = settings
         self.on_streaks = on_streaks
+        self.notices = notices
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def track_jobs(self) -> None:
-        """Every job gets a state row; `tracked_since` restarts when its schedule changes."""
-        with self.backend.ledger_engine.begin() as conn:
+        """Register this replica's jobs and schedules, refusing what would mix two fleets.
+
+        A replica whose name a live replica already uses, or whose job key a live
+        replica runs under another job name (two projects on one schema), does
+        not start: ConfigError, exit 2, naming both.
+        """
+        engine = self.backend.ledger_engine
+        me = self.settings.instance_name
+        with engine.begin() as conn:
             now = self.backend.now(conn)
-            entries = [(job.key, job.name, job.describe()) for job in self.catalog]
-            ledger.track_jobs(conn, entries, now)
+            live = {i["name"]: i for i in self.backend.live_instances(conn)}
+            if me in live:
+                since = live[me].get("since")
+                raise ConfigError(
+                    f"instance_name {me!r} is in use by a live replica"
+                    + (f" (up since {since})" if since else "")
+                    + ": give each replica its own name (SCHEDULER_INSTANCE_NAME)"
+                )
+            self._refuse_clashes(ledger.registrations_of(conn), set(live))
+            entries = [(job.key, job.name, schedule_text(job)) for job in self.catalog]
+            ledger.register(conn, me, entries, now)
+            ledger.supersede(conn, {*live, me}, now)
+        ledger.track_jobs(
+            engine, [(job.key, job.name, job.describe()) for job in self.catalog], now
+        )
+
+    def _refuse_clashes(self, found: list[ledger.Registration], live: set[str]) -> None:
+        for r in found:
+            job = self.catalog.by_key(r.key)
+            if job is None or r.instance not in live or r.until is not None:
+                continue
+            if r.name != job.name:
+                raise ConfigError(
+                    f"job key {r.key} is {job.name!r} here ({job.spec.source}) but "
+                    f"{r.name!r} on the live replica {r.instance}: two fleets (or two versions "
+                    "of one) share this ledger. Give each fleet its own schema (setting "
+                    "`schema`), or rename the job once no replica runs the old name"
+                )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="housekeeping", daemon=True)
@@ -92,10 +129,18 @@ class Housekeeping:
             sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
             prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
             states = ledger.job_states(conn)
+            if self.notices is not None:
+                done["notices"] = self.notices.adopt(conn, now)
             if sweep is not None:
-                previous, now = sweep
-                done["crashed"] = self.sweep_crashed(conn, now)
-                done["missed"] = self.sweep_missed(conn, states, previous, now)
+                done["crashed"] = self.sweep_crashed(conn, sweep[1])
+                live = {i["name"] for i in self.backend.live_instances(conn)}
+                ledger.supersede(conn, live, sweep[1])
+                registered = ledger.registrations_of(conn)
+        # Missed ticks are new rows, and new rows come before updates in the one order
+        # every transaction takes its row locks in (postgres.sql): a transaction apart.
+        if sweep is not None:
+            with engine.begin() as conn:
+                done["missed"] = self.sweep_missed(conn, states, *sweep, registered)
         if self.on_streaks:
             names = {job.key: job.name for job in self.catalog}
             self.on_streaks(
@@ -108,6 +153,8 @@ class Housekeeping:
         if prune is not None:
             cutoff = prune[1] - timedelta(days=self.settings.retention_days)
             done["pruned"] = 0
+            with engine.begin() as conn:
+                ledger.prune_registrations(conn, cutoff)
             while True:
                 with engine.begin() as conn:
                     removed = ledger.prune_batch(conn, cutoff)
@@ -123,9 +170,11 @@ class Housekeeping:
             return 0
         free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
         marked = 0
-        for row in stale:
+        for row in sorted(stale, key=lambda r: (r.scheduled_at, r.key)):  # the common order
             if row.key in free and row.run_id is not None:
-                marked += ledger.mark_crashed(conn, row.key, row.run_id, CRASHED, now)
+                marked += ledger.mark_crashed(
+                    conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now
+                )
         if marked:
             log.warning("marked %d run(s) crashed: their replica is gone", marked)
         return marked
@@ -136,35 +185,41 @@ class Housekeeping:
         states: dict[int, dict[str, object]],
         previous: datetime,
         now: datetime,
+        registered: list[ledger.Registration] | None = None,
     ) -> int:
         """Ticks of enabled jobs that nobody claimed in time, since the previous sweep.
 
         Each sweep looks at the ticks that left their grace since the previous
         sweep (or since the job was tracked, bounded per job), so its cost
-        follows the number of ticks, not the size of the ledger.
+        follows the number of ticks, not the size of the ledger. A tick is
+        recorded only if every schedule in force at that tick (of every replica
+        that registered the job) contains it.
         """
-        expected = self._expected(states, previous, now)
+        if registered is None:
+            registered = ledger.registrations_of(conn)
+        expected = self._expected(states, previous, now, registered)
         if not expected:
             return 0
         have = ledger.existing_ticks(conn, expected)
-        by_job: dict[int, list[datetime]] = {}
-        for key, tick in expected:
-            if (key, tick) not in have:
-                by_job.setdefault(key, []).append(tick)
-        recorded = 0
-        for key, missing in by_job.items():
-            job = self.catalog.by_key(key)
-            assert job is not None
-            recorded += ledger.record_missed(
-                conn, key, job.name, self.settings.instance_name, missing
-            )
+        names = {job.key: job.name for job in self.catalog}
+        missing = sorted((tick, key) for key, tick in expected if (key, tick) not in have)
+        recorded = ledger.record_missed(
+            conn, [(key, names[key], tick) for tick, key in missing], self.settings.instance_name
+        )
         if recorded:
             log.warning("recorded %d missed tick(s): no replica claimed them in time", recorded)
         return recorded
 
     def _expected(
-        self, states: dict[int, dict[str, object]], previous: datetime, now: datetime
+        self,
+        states: dict[int, dict[str, object]],
+        previous: datetime,
+        now: datetime,
+        registered: list[ledger.Registration],
     ) -> list[tuple[int, datetime]]:
+        by_job: dict[int, list[ledger.Registration]] = {}
+        for r in registered:
+            by_job.setdefault(r.key, []).append(r)
         expected: list[tuple[int, datetime]] = []
         for job in self.catalog.scheduled:
             state = states.get(job.key)
@@ -176,6 +231,51 @@ class Housekeeping:
             until = now - job.misfire_grace - MISSED_MARGIN
             if until <= start:
                 continue
-            for tick in ticks_between(job.trigger, start, until, MISSED_LIMIT):
-                expected.append((job.key, tick))
+            ticks = InForce(job, by_job.get(job.key, [])).due(start, until)
+            expected += [(job.key, tick) for tick in ticks]
         return expected
+
+
+class InForce:
+    """The schedules of one job in force over time, as the replicas registered them.
+
+    Replicas that agree (the usual case) make this the job's own schedule. When
+    they differ (a rolling deploy), a tick is due only if every schedule in
+    force at that tick contains it; the schedule of a replica that is gone stays
+    in force until a live replica runs another one, so the ticks of a fleet
+    that was down are judged by the schedule it had.
+    """
+
+    def __init__(self, job: CatalogJob, registered: list[ledger.Registration]) -> None:
+        assert job.trigger is not None
+        self.job = job
+        self.own = schedule_text(job)
+        self.registered = registered
+        self.triggers: dict[str, BaseTrigger | None] = {self.own: job.trigger}
+        for r in registered:
+            if r.schedule is not None and r.schedule not in self.triggers:
+                self.triggers[r.schedule] = trigger_of(r.schedule)
+
+    def due(self, start: datetime, until: datetime) -> list[datetime]:
+        if all(r.schedule == self.own for r in self.registered):
+            return ticks_between(self.job.trigger, start, until, MISSED_LIMIT)
+        candidates: set[datetime] = set()
+        for trigger in self.triggers.values():
+            if trigger is not None:
+                candidates.update(ticks_between(trigger, start, until, MISSED_LIMIT))
+        return sorted(t for t in candidates if self._agreed(t))[-MISSED_LIMIT:]
+
+    def _agreed(self, tick: datetime) -> bool:
+        in_force = [
+            r for r in self.registered if r.since <= tick and (r.until is None or tick <= r.until)
+        ]
+        if not in_force:  # before any replica registered: the job's own schedule
+            return _contains(self.job.trigger, tick)
+        return all(
+            r.schedule is not None and _contains(self.triggers.get(r.schedule), tick)
+            for r in in_force
+        )
+
+
+def _contains(trigger: BaseTrigger | None, tick: datetime) -> bool:
+    return trigger is not None and tick_after(trigger, tick - timedelta(microseconds=1)) == tick

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Column,
     Connection,
     DateTime,
+    Float,
     Index,
     Integer,
     MetaData,
@@ -30,6 +31,7 @@ from sqlalchemy import (
     delete,
     desc,
     false,
+    or_,
     select,
     text,
     tuple_,
@@ -37,8 +39,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Dialect
 
-STATUSES = ("running", "succeeded", "failed", "skipped", "crashed", "missed")
-FINISHED = ("succeeded", "failed", "crashed")
+from scheduler.statuses import Status
+
+STATUS_CHECK = "status IN (" + ", ".join(f"'{status}'" for status in Status) + ")"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -85,10 +88,9 @@ ticks = Table(
     Column("finished_at", UTCDateTime()),
     Column("error", Text),
     Column("manual", Boolean, nullable=False, server_default=false()),
-    CheckConstraint(
-        "status IN (" + ", ".join(f"'{status}'" for status in STATUSES) + ")",
-        name="scheduler_ticks_status",
-    ),
+    Column("told", Text),  # what the run was told while it ran: stopping, lock_lost
+    Column("duration_s", Float),  # the run's own duration, measured where it ran
+    CheckConstraint(STATUS_CHECK, name="scheduler_ticks_status"),
     Index("scheduler_ticks_scheduled_at", "scheduled_at"),
 )
 
@@ -112,6 +114,53 @@ jobs = Table(
     Column("fail_alerted", Boolean, nullable=False, server_default=false()),
     Column("schedule", Text),
     Column("tracked_since", UTCDateTime(), nullable=False),
+    # Skipped ticks since the job last kept up (a run that ended before its next tick).
+    Column("overrun_skips", Integer, nullable=False, server_default="0"),
+)
+
+# What each replica runs: every job it registered, under which name and schedule, since
+# when. A schedule is in force from `since` until `until` (NULL: still in force; set when
+# a replica that is gone is superseded by one with another schedule). The sweep records
+# a tick missed only if every schedule in force at that tick contains it, so replicas
+# that differ (a rolling deploy) never have the ticks of one recorded missed for the other.
+registrations = Table(
+    "scheduler_registrations",
+    metadata,
+    Column("instance", Text, primary_key=True),
+    Column("job_key", Integer, primary_key=True),
+    Column("job_name", Text, nullable=False),
+    Column("schedule", Text),  # canonical (catalog.schedule_text); NULL: not scheduled
+    Column("since", UTCDateTime(), nullable=False),
+    Column("until", UTCDateTime()),
+)
+
+# The outbox: a notice (an alert, a recovery) is written in the transaction that changes
+# the state it announces, and delivered by whichever replica is alive, exactly once when
+# all goes well, at least once when a replica dies while delivering (`id` is in the
+# webhook body, so a receiver can tell a repeat). `lease_by` delivers it until
+# `lease_until`; then any replica may take it over.
+notices = Table(
+    "scheduler_notices",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("event", Text, nullable=False),
+    Column("job_key", Integer, nullable=False),
+    Column("job_name", Text, nullable=False),
+    Column("scheduled_at", UTCDateTime()),
+    Column("facts", Text, nullable=False),  # a JSON object: what the notice says
+    Column("raised_by", Text, nullable=False),
+    Column("raised_at", UTCDateTime(), nullable=False),
+    Column("lease_by", Text),
+    Column("lease_until", UTCDateTime()),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("next_attempt_at", UTCDateTime(), nullable=False),
+    Column("done_at", UTCDateTime()),  # delivered, or given up
+    Column("outcome", Text),  # delivered, given_up
+    sqlite_autoincrement=True,
+)
+PENDING_NOTICES_INDEX = text(
+    "CREATE INDEX IF NOT EXISTS scheduler_notices_pending"
+    " ON scheduler_notices (next_attempt_at) WHERE done_at IS NULL"
 )
 
 maintenance = Table(
@@ -151,6 +200,7 @@ class TickRow:
     run_id: int | None
     holder: str | None
     manual: bool
+    told: str | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -166,6 +216,7 @@ class TickRow:
             "run_id": self.run_id,
             "holder": self.holder,
             "manual": self.manual,
+            "told": self.told,
         }
 
 
@@ -176,7 +227,9 @@ def iso(value: datetime | None) -> str | None:
 def _row(row: object) -> TickRow:
     m = row._mapping  # type: ignore[attr-defined]
     started, finished = m["started_at"], m["finished_at"]
-    duration = (finished - started).total_seconds() if started and finished else None
+    duration = m["duration_s"]  # the run's own, as measured where it ran
+    if duration is None and started and finished:
+        duration = (finished - started).total_seconds()
     return TickRow(
         job=m["job_name"],
         key=m["job_key"],
@@ -190,6 +243,7 @@ def _row(row: object) -> TickRow:
         run_id=m["run_id"],
         holder=m["holder"],
         manual=bool(m["manual"]),
+        told=m["told"],
     )
 
 
@@ -211,7 +265,9 @@ def history(conn: Connection, key: int | None, limit: int) -> list[TickRow]:
     return [_row(r) for r in conn.execute(query)]
 
 
-def latest(conn: Connection, key: int, statuses: tuple[str, ...] | None = None) -> TickRow | None:
+def latest(
+    conn: Connection, key: int, statuses: tuple[Status, ...] | None = None
+) -> TickRow | None:
     query = select(ticks).where(ticks.c.job_key == key)
     if statuses:
         query = query.where(ticks.c.status.in_(statuses))
@@ -220,7 +276,7 @@ def latest(conn: Connection, key: int, statuses: tuple[str, ...] | None = None) 
 
 
 def running(conn: Connection) -> list[TickRow]:
-    query = select(ticks).where(ticks.c.status == "running").order_by(ticks.c.job_key)
+    query = select(ticks).where(ticks.c.status == Status.RUNNING).order_by(ticks.c.job_key)
     return [_row(r) for r in conn.execute(query)]
 
 
@@ -228,24 +284,41 @@ def job_states(conn: Connection) -> dict[int, dict[str, object]]:
     return {r.job_key: dict(r._mapping) for r in conn.execute(select(jobs))}
 
 
-def track_jobs(conn: Connection, entries: list[tuple[int, str, str]], now: datetime) -> None:
-    """Make sure every job has a state row; a changed schedule restarts its tracking.
+def track_jobs(engine: Any, entries: list[tuple[int, str, str]], now: datetime) -> None:
+    """Make sure every job has a state row (its streaks, its name and schedule as shown).
 
-    `tracked_since` is where the missed-tick sweep starts looking: ticks from
-    before a job existed (or before its schedule changed) were never due.
+    `tracked_since` is when the job was first seen: the missed-tick sweep never
+    looks before it (ticks from before a job existed were never due); when a
+    schedule changes, the registrations say from when (see `registrations`).
+    Unchanged rows are only read, never locked (claims update them all the
+    time), and each new or changed row is written in a short transaction of
+    its own, so a slow or frozen starting replica holds no job row for long.
     """
     if not entries:
         return
-    for key, name, schedule in entries:
-        statement = upsert(conn, jobs).values(
-            job_key=key, job_name=name, schedule=schedule, tracked_since=now
-        )
-        statement = statement.on_conflict_do_update(
-            index_elements=[jobs.c.job_key],
-            set_={"job_name": name, "schedule": schedule, "tracked_since": now},
-            where=jobs.c.schedule.is_distinct_from(schedule),
-        )
-        conn.execute(statement)
+    with engine.connect() as conn:
+        known = {
+            row.job_key: (row.job_name, row.schedule)
+            for row in conn.execute(select(jobs.c.job_key, jobs.c.job_name, jobs.c.schedule))
+        }
+    for key, name, schedule in sorted(entries):
+        if known.get(key) == (name, schedule):
+            continue
+        with engine.begin() as conn:
+            if key not in known:
+                statement = upsert(conn, jobs).values(
+                    job_key=key, job_name=name, schedule=schedule, tracked_since=now
+                )
+                conn.execute(statement.on_conflict_do_nothing(index_elements=[jobs.c.job_key]))
+            else:
+                conn.execute(
+                    update(jobs)
+                    .where(
+                        jobs.c.job_key == key,
+                        or_(jobs.c.job_name != name, jobs.c.schedule.is_distinct_from(schedule)),
+                    )
+                    .values(job_name=name, schedule=schedule)
+                )
 
 
 def existing_ticks(
@@ -266,8 +339,8 @@ def mark_crashed(conn: Connection, key: int, run_id: int, error: str, now: datet
     """A running row whose lock is free: its replica died. Conditional, like every update."""
     result = conn.execute(
         update(ticks)
-        .where(ticks.c.job_key == key, ticks.c.run_id == run_id, ticks.c.status == "running")
-        .values(status="crashed", finished_at=now, error=error)
+        .where(ticks.c.job_key == key, ticks.c.run_id == run_id, ticks.c.status == Status.RUNNING)
+        .values(status=Status.CRASHED, finished_at=now, error=error)
     )
     return result.rowcount == 1
 
@@ -297,11 +370,9 @@ def elect(conn: Connection, task: str, now: Any, every: float) -> tuple[datetime
     return (previous, row[0]) if row else None
 
 
-def record_missed(
-    conn: Connection, key: int, name: str, instance: str, scheduled: list[datetime]
-) -> int:
-    """Rows for ticks nobody claimed; a tick that has a row keeps it."""
-    if not scheduled:
+def record_missed(conn: Connection, missing: list[tuple[int, str, datetime]], instance: str) -> int:
+    """Rows for ticks nobody claimed, in the common order; a tick that has a row keeps it."""
+    if not missing:
         return 0
     statement = (
         upsert(conn, ticks)
@@ -309,12 +380,12 @@ def record_missed(
             [
                 {
                     "job_key": key,
-                    "scheduled_at": t,
+                    "scheduled_at": tick,
                     "job_name": name,
-                    "status": "missed",
+                    "status": Status.MISSED,
                     "instance": instance,
                 }
-                for t in scheduled
+                for key, name, tick in missing
             ]
         )
         .on_conflict_do_nothing(index_elements=[ticks.c.job_key, ticks.c.scheduled_at])
@@ -342,4 +413,155 @@ def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> in
         if batch_end is not None
         else ticks.c.scheduled_at < older_than
     )
-    return conn.execute(delete(ticks).where(window, ticks.c.status != "running")).rowcount or 0
+    removed = conn.execute(delete(ticks).where(window, ticks.c.status != Status.RUNNING)).rowcount
+    conn.execute(
+        delete(notices).where(notices.c.done_at.is_not(None), notices.c.done_at < older_than)
+    )
+    return removed or 0
+
+
+# -- the outbox ---------------------------------------------------------------------------
+
+NOTICE_LEASE = timedelta(seconds=30)  # a notice's deliverer has this long before others may
+
+
+def adopt_notices(conn: Connection, instance: str, now: Any, limit: int = 100) -> list[int]:
+    """Take the lease of notices that are due and that nobody is delivering.
+
+    Their replica died while delivering them, or never got the answer of the
+    claim that raised them, or a retry is due. Rows another replica is
+    adopting at the same moment are left to it.
+    """
+    due = (
+        select(notices.c.id)
+        .where(
+            notices.c.done_at.is_(None),
+            notices.c.next_attempt_at <= now,
+            or_(notices.c.lease_until.is_(None), notices.c.lease_until < now),
+        )
+        .order_by(notices.c.id)
+        .limit(limit)
+    )
+    if conn.dialect.name == "postgresql":
+        due = due.with_for_update(skip_locked=True)
+    ids = [row[0] for row in conn.execute(due)]
+    if ids:
+        conn.execute(
+            update(notices)
+            .where(notices.c.id.in_(ids))
+            .values(lease_by=instance, lease_until=now + NOTICE_LEASE)
+        )
+    return ids
+
+
+def leased_notices(conn: Connection, ids: list[int], instance: str) -> list[dict[str, Any]]:
+    """The notices of `ids` this replica still holds the lease of, not yet delivered."""
+    query = select(notices).where(
+        notices.c.id.in_(ids), notices.c.lease_by == instance, notices.c.done_at.is_(None)
+    )
+    return [dict(row._mapping) for row in conn.execute(query.order_by(notices.c.id))]
+
+
+def notice_done(conn: Connection, notice: int, instance: str, now: Any, outcome: str) -> None:
+    conn.execute(
+        update(notices)
+        .where(notices.c.id == notice, notices.c.lease_by == instance)
+        .values(done_at=now, outcome=outcome, attempts=notices.c.attempts + 1)
+    )
+
+
+def notice_retry(conn: Connection, notice: int, instance: str, due: datetime) -> None:
+    """Keep the lease until the retry is due (and a little after, for the retry itself)."""
+    conn.execute(
+        update(notices)
+        .where(notices.c.id == notice, notices.c.lease_by == instance)
+        .values(
+            attempts=notices.c.attempts + 1,
+            next_attempt_at=due,
+            lease_until=due + NOTICE_LEASE,
+        )
+    )
+
+
+# -- registrations ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Registration:
+    instance: str
+    key: int
+    name: str
+    schedule: str | None
+    since: datetime
+    until: datetime | None
+
+
+def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Registration]:
+    query = select(registrations)
+    if keys is not None:
+        query = query.where(registrations.c.job_key.in_(keys))
+    return [
+        Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
+        for r in conn.execute(query.order_by(registrations.c.job_key, registrations.c.instance))
+    ]
+
+
+def register(
+    conn: Connection, instance: str, entries: list[tuple[int, str, str | None]], now: datetime
+) -> None:
+    """This replica's jobs and schedules; a schedule kept across a restart keeps its `since`."""
+    mine = {r.key: r for r in registrations_of(conn) if r.instance == instance}
+    for key, name, schedule in sorted(entries):
+        known = mine.pop(key, None)
+        if known is None:
+            conn.execute(
+                registrations.insert().values(
+                    instance=instance, job_key=key, job_name=name, schedule=schedule, since=now
+                )
+            )
+        elif (known.name, known.schedule, known.until) != (name, schedule, None):
+            since = known.since if known.schedule == schedule and known.until is None else now
+            conn.execute(
+                update(registrations)
+                .where(registrations.c.instance == instance, registrations.c.job_key == key)
+                .values(job_name=name, schedule=schedule, since=since, until=None)
+            )
+    for key in mine:  # jobs this replica no longer has
+        conn.execute(
+            update(registrations)
+            .where(
+                registrations.c.instance == instance,
+                registrations.c.job_key == key,
+                registrations.c.until.is_(None),
+            )
+            .values(until=now)
+        )
+
+
+def supersede(conn: Connection, live: set[str], now: datetime) -> int:
+    """Schedules of replicas that are gone end where a live replica runs another schedule."""
+    found = registrations_of(conn)
+    running = {(r.key, r.schedule) for r in found if r.instance in live and r.until is None}
+    live_keys = {key for key, _ in running}
+    ended = 0
+    for r in found:
+        gone = r.instance not in live and r.until is None
+        if gone and r.key in live_keys and (r.key, r.schedule) not in running:
+            conn.execute(
+                update(registrations)
+                .where(registrations.c.instance == r.instance, registrations.c.job_key == r.key)
+                .values(until=now)
+            )
+            ended += 1
+    return ended
+
+
+def prune_registrations(conn: Connection, older_than: datetime) -> int:
+    return (
+        conn.execute(
+            delete(registrations).where(
+                registrations.c.until.is_not(None), registrations.c.until < older_than
+            )
+        ).rowcount
+        or 0
+    )

@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from scheduler import events
+from scheduler.statuses import Status
+from scheduler.text import printable
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
@@ -39,8 +41,21 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
+    """One record, one line: control characters in messages (a job's error, a name) are
+    escaped, so nothing a job says can forge a log line or rewrite the terminal."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        """Indented, so that no line of a traceback (an exception's message may hold
+        newlines) can start like a log line."""
+        lines = super().formatException(ei).splitlines()
+        return "\n".join("  " + printable(line) for line in lines)
 
 
 class _Writer:
@@ -216,8 +231,10 @@ class RunLog:
                     extra=self._fields(event, "job", "key"),
                 )
         elif isinstance(event, events.RunFinished):
-            level = logging.INFO if event.status == "succeeded" else logging.WARNING
+            level = logging.INFO if event.status == Status.SUCCEEDED else logging.WARNING
             note = "" if event.recorded else " (not recorded: the run had lost its lock)"
+            if event.told:
+                note += f" (told: {event.told})"
             add(
                 level,
                 "run %s: %s tick %s run_id %d in %.3f s%s%s",
@@ -240,6 +257,7 @@ class RunLog:
                     "error",
                     "recorded",
                     "lock_lost",
+                    "told",
                 ),
             )
         elif isinstance(event, events.TickSkipped):

@@ -6,23 +6,27 @@ import asyncio
 import inspect
 import traceback
 
-from scheduler.context import RunContext
+from scheduler.context import Interrupted, RunContext
 from scheduler.registry import JobSpec
+from scheduler.statuses import Status
+from scheduler.text import MAX_STORED
 
-MAX_ERROR = 2000
 
-
-def execute(spec: JobSpec, ctx: RunContext) -> tuple[str, str | None]:
+def execute(spec: JobSpec, ctx: RunContext) -> tuple[Status, str | None]:
     """Returns (status, error). Nothing a job raises may reach the daemon."""
     args = (ctx,) if spec.takes_context else ()
     try:
         result = spec.func(*args)
         if inspect.isawaitable(result):
             asyncio.run(_await(result))
+    except Interrupted as exc:
+        reason = str(exc) or None
+        ctx.log.warning("run interrupted%s", f": {reason}" if reason else "")
+        return Status.INTERRUPTED, reason
     except BaseException as exc:  # a job's SystemExit must not stop the daemon
         ctx.log.error("run failed: %s", describe(exc), exc_info=exc)
-        return "failed", describe(exc)
-    return "succeeded", None
+        return Status.FAILED, describe(exc)
+    return Status.SUCCEEDED, None
 
 
 async def _await(awaitable: object) -> None:
@@ -30,9 +34,14 @@ async def _await(awaitable: object) -> None:
 
 
 def describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """The error in one line of the ledger: type, message, and the job's own line."""
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose __str__ raises
+        message = "(its message could not be read)"
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     frames = traceback.extract_tb(exc.__traceback__)
     if frames:
         last = frames[-1]
         text += f" ({last.filename.rsplit('/', 1)[-1]}:{last.lineno})"
-    return text[:MAX_ERROR]
+    return text[:MAX_STORED]

@@ -12,6 +12,7 @@ from typing import Any
 from scheduler import ledger
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog
+from scheduler.statuses import FINISHED
 
 
 def history(backend: Backend, key: int | None, limit: int) -> list[dict[str, Any]]:
@@ -31,7 +32,7 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         for job in catalog:
             state = states.get(job.key, {})
             run = running.get(job.key)
-            last = ledger.latest(conn, job.key, ledger.FINISHED)
+            last = ledger.latest(conn, job.key, FINISHED)
             jobs.append(
                 {
                     **job.as_json(now),

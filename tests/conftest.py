@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import SERVER_URL_ENV, with_database
+from tests.support import SERVER_URL_ENV, FakeMonotonic, Recorder, with_database
 
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -117,7 +117,8 @@ def database_url(run_database: str) -> Iterator[str]:
         )
         conn.execute(
             "DROP TABLE IF EXISTS scheduler_ticks, scheduler_jobs, scheduler_maintenance,"
-            " scheduler_schema, scheduler_counters CASCADE;"
+            " scheduler_schema, scheduler_counters, scheduler_notices,"
+            " scheduler_registrations CASCADE;"
             " DROP SEQUENCE IF EXISTS scheduler_run_id;"
             " DROP FUNCTION IF EXISTS scheduler_claim, scheduler_finish;"
             " DROP TABLE IF EXISTS test_runs"
@@ -153,3 +154,43 @@ def backends(request, tmp_path):
     yield make
     for backend in opened:
         backend.close()
+
+
+GATE_NAMESPACE = 4343
+
+
+@pytest.fixture
+def gate_factory(database_url):
+    """Gates on real PostgreSQL sessions, with a fake monotonic clock and no threads started.
+
+    `make(instance, max_workers, holder_timeout)` returns (gate, recorder, clock);
+    each test calls `gate.step()` where the dispatcher thread would.
+    """
+    from scheduler.backends.postgres import PostgresBackend
+    from scheduler.gate import Gate
+
+    made = []
+
+    def make(instance: str = "g1", max_workers: int = 4, holder_timeout: float = 30.0):
+        backend = PostgresBackend(
+            database_url,
+            instance=instance,
+            namespace=GATE_NAMESPACE,
+            holder_timeout=holder_timeout,
+        )
+        backend.migrate()
+        recorder, clock = Recorder(), FakeMonotonic()
+        gate = Gate(
+            backend,
+            instance=instance,
+            max_workers=max_workers,
+            holder_timeout=holder_timeout,
+            listeners=[recorder],
+            monotonic=clock,
+        )
+        made.append(gate)
+        return gate, recorder, clock
+
+    yield make
+    for gate in made:
+        gate.backend.close()

@@ -319,14 +319,20 @@ def assert_exactly_once(
 
 
 class Receiver:
-    """A local HTTP server that records what is POSTed or GETed to it."""
+    """A local HTTP server that records what is POSTed or GETed to it.
 
-    def __init__(self, port: int = 0) -> None:
+    `delay`: seconds each answer waits (a slow service). `hold_first`: an event
+    the first POST waits for before it is answered (a delivery in flight).
+    """
+
+    def __init__(self, port: int = 0, delay: float = 0.0) -> None:
         import http.server
         import threading
 
         received: list[dict[str, Any]] = []
         self.received = received
+        self.hold_first: threading.Event | None = None
+        receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -339,20 +345,30 @@ class Receiver:
                 received.append(
                     {"method": "POST", "path": self.path, "body": parsed, "at": time.time()}
                 )
-                self.send_response(200)
-                self.end_headers()
+                if len(received) == 1 and receiver.hold_first is not None:
+                    receiver.hold_first.wait(120)
+                self._answer()
 
             def do_GET(self) -> None:
                 received.append(
                     {"method": "GET", "path": self.path, "body": None, "at": time.time()}
                 )
-                self.send_response(200)
-                self.end_headers()
+                self._answer()
+
+            def _answer(self) -> None:
+                if delay:
+                    time.sleep(delay)
+                try:
+                    self.send_response(200)
+                    self.end_headers()
+                except OSError:
+                    pass  # the client gave up waiting
 
             def log_message(self, *args: object) -> None:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -396,15 +412,20 @@ class Proxy:
     sockets stay open, so neither side sees an error from the network itself.
     """
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    def __init__(self, upstream_host: str, upstream_port: int, receive_buffer: int = 0) -> None:
         import socket
         import threading
+
+        self.receive_buffer = receive_buffer  # bytes of the server's replies held in transit
 
         self.upstream = (upstream_host, upstream_port)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.open = threading.Event()
         self.open.set()
+        self.replies = threading.Event()  # cleared: the server's replies are not read
+        self.replies.set()
+        self.replied = 0  # bytes forwarded from the server to its clients
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
         self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -419,6 +440,10 @@ class Proxy:
 
     def cut(self) -> None:
         self.open.clear()
+
+    def stall_replies(self) -> None:
+        """The client stops reading (a frozen process): requests still reach the server."""
+        self.replies.clear()
 
     def restore(self) -> None:
         """The network is back: connections that were cut are gone; new ones flow."""
@@ -445,17 +470,22 @@ class Proxy:
                 return
             self.open.wait()
             try:
-                server = socket.create_connection(self.upstream)
+                server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                if self.receive_buffer:
+                    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer)
+                server.connect(self.upstream)
             except OSError:
                 client.close()
                 continue
             self.pairs.append((client, server))
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, gate in ((client, server, self.open), (server, client, self.replies)):
+                threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
 
-    def _pump(self, source, target) -> None:
+    def _pump(self, source, target, gate=None) -> None:
         while True:
             self.open.wait()
+            if gate is not None:
+                gate.wait()
             try:
                 data = source.recv(65536)
             except OSError:
@@ -465,7 +495,72 @@ class Proxy:
                     target.shutdown(2)
                 return
             self.open.wait()  # data read just before a cut is held, not delivered
+            if gate is self.replies:
+                self.replied += len(data)
             try:
                 target.sendall(data)
             except OSError:
                 return
+
+
+# -- driving a gate step by step (no dispatcher thread, a fake monotonic clock) --------
+
+
+class FakeMonotonic:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_job(key: int, func, name: str | None = None, skip_alert_after: int = 3):
+    """A catalog job on a 1 s grid, for tests that drive the gate or the backends."""
+    from scheduler.catalog import CatalogJob
+    from scheduler.config import JobConfig
+    from scheduler.registry import JobSpec
+
+    schedule = JobConfig(interval="1s", skip_alert_after=skip_alert_after)
+    spec = JobSpec(
+        key=key,
+        name=name or func.__name__,
+        func=func,
+        takes_context=True,
+        is_async=False,
+        source="test",
+    )
+    return CatalogJob(
+        spec=spec,
+        schedule=schedule,
+        timezone="UTC",
+        skip_threshold=skip_alert_after,
+        fail_threshold=3,
+        misfire_grace=timedelta(seconds=30),
+    )
+
+
+class Recorder:
+    """A listener that keeps every event the gate reports."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def now_tick(offset: int = 0) -> datetime:
+    return datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=offset)
+
+
+def settle(gate: Any, until: Callable[[], Any], what: str) -> None:
+    """Step the gate until `until()` holds (runs execute on the gate's worker threads)."""
+
+    def stepped() -> Any:
+        gate.step()
+        return until()
+
+    wait_for(stepped, 10, what, every=0.02)

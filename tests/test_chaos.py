@@ -4,17 +4,15 @@ sessions, a database restart, and signals. Real replicas, real PostgreSQL."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import psycopg
 import pytest
 
+from tests import clusters
 from tests.support import Fleet, Proxy, host_port, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
@@ -216,28 +214,28 @@ def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
     assert_no_tick_twice(fleet)
 
 
-def _cluster() -> list[str] | None:
-    """The command that restarts the local Debian cluster, when this user may run it."""
-    etc = Path("/etc/postgresql")
-    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster") or not etc.is_dir():
-        return None
-    versions = sorted(p.name for p in etc.iterdir())
-    if not versions:
-        return None
-    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main"]
+@pytest.fixture
+def own_server():
+    """A cluster of this test's own: restarting the shared server would hit other tests."""
+    reason = clusters.available()
+    if reason:
+        pytest.skip(f"cannot make a cluster here: {reason}")
+    cluster = clusters.Cluster("restart")
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.remove()
 
 
-def test_replicas_survive_a_database_restart(tmp_path, database_url, pg_server):
-    cluster = _cluster()
-    if cluster is None or "127.0.0.1:5432" not in pg_server:
-        pytest.skip("needs root and the local Debian cluster (as in CI) to restart PostgreSQL")
-    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_code=QUICK)
+def test_replicas_survive_a_database_restart(tmp_path, own_server):
+    fleet = Fleet(tmp_path, own_server.url(), {"quick": {"interval": "1s"}}, job_code=QUICK)
     fleet.start("r1")
     fleet.start("r2")
     try:
         fleet.wait_ready()
         wait_for(lambda: len(fleet.starts()) >= 3, 30, "a few runs")
-        subprocess.run([*cluster, "restart", "-m", "fast"], check=True, timeout=60)
+        own_server.restart()
         restarted_at = time.time()
         wait_for(
             lambda: [e for e in fleet.starts() if e["at"] > restarted_at], 30, "runs after restart"
@@ -247,7 +245,6 @@ def test_replicas_survive_a_database_restart(tmp_path, database_url, pg_server):
         codes = fleet.stop()
     finally:
         fleet.kill_all()
-        subprocess.run([*cluster, "start"], timeout=60, capture_output=True)
     assert codes == {"r1": 0, "r2": 0}, fleet.logs()
     assert_no_tick_twice(fleet)
 

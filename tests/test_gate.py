@@ -7,100 +7,12 @@ started: each test calls `step()` where the thread would.
 from __future__ import annotations
 
 import threading
-from datetime import UTC, datetime, timedelta
 
 import psycopg
-import pytest
 
 from scheduler import events
 from scheduler.backends.base import Outcome
-from scheduler.backends.postgres import PostgresBackend
-from scheduler.catalog import CatalogJob
-from scheduler.config import JobConfig
-from scheduler.gate import Gate
-from scheduler.registry import JobSpec
-from tests.support import wait_for
-
-NAMESPACE = 4343
-
-
-class FakeMonotonic:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_job(key: int, func, name: str | None = None, skip_alert_after: int = 3) -> CatalogJob:
-    schedule = JobConfig(interval="1s", skip_alert_after=skip_alert_after)
-    spec = JobSpec(
-        key=key,
-        name=name or func.__name__,
-        func=func,
-        takes_context=True,
-        is_async=False,
-        source="test",
-    )
-    return CatalogJob(
-        spec=spec,
-        schedule=schedule,
-        timezone="UTC",
-        skip_threshold=skip_alert_after,
-        fail_threshold=3,
-        misfire_grace=timedelta(seconds=30),
-    )
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[events.Event] = []
-
-    def __call__(self, event: events.Event) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type) -> list:
-        return [e for e in self.events if isinstance(e, kind)]
-
-
-@pytest.fixture
-def gate_factory(database_url):
-    made = []
-
-    def make(instance: str = "g1", max_workers: int = 4, holder_timeout: float = 30.0):
-        backend = PostgresBackend(
-            database_url, instance=instance, namespace=NAMESPACE, holder_timeout=holder_timeout
-        )
-        backend.migrate()
-        recorder, clock = Recorder(), FakeMonotonic()
-        gate = Gate(
-            backend,
-            instance=instance,
-            max_workers=max_workers,
-            holder_timeout=holder_timeout,
-            listeners=[recorder],
-            monotonic=clock,
-        )
-        made.append(gate)
-        return gate, recorder, clock
-
-    yield make
-    for gate in made:
-        gate.backend.close()
-
-
-def now_tick(offset: int = 0) -> datetime:
-    return datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=offset)
-
-
-def settle(gate: Gate, until, what: str) -> None:
-    """Step the gate until `until()` holds (runs execute on the gate's worker threads)."""
-
-    def stepped():
-        gate.step()
-        return until()
-
-    wait_for(stepped, 10, what, every=0.02)
+from tests.support import make_job, now_tick, settle
 
 
 def test_a_job_still_running_here_is_skipped_without_asking_for_its_lock_again(gate_factory):

@@ -10,10 +10,12 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import text
 
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend, share_of
 from scheduler.backends.schema import CURRENT_VERSION
+from tests.support import wait_for
 
 NAMESPACE = 4242  # as the `backends` fixture
 KEY = 77
@@ -44,7 +46,12 @@ def claim(
     return result
 
 
-def finish(backend, result, status="succeeded", unlock=True, threshold=3, error=None):
+LATER = datetime(2100, 1, 1, tzinfo=UTC)  # a next tick no run here can overrun
+
+
+def finish(
+    backend, result, status="succeeded", unlock=True, threshold=3, error=None, next_due=LATER
+):
     request = FinishRequest(
         key=result.key,
         scheduled_at=result.scheduled_at,
@@ -53,9 +60,29 @@ def finish(backend, result, status="succeeded", unlock=True, threshold=3, error=
         error=error,
         unlock=unlock,
         fail_threshold=threshold,
+        next_due=next_due,
     )
     (outcome,) = backend.finish([request])
     return outcome
+
+
+def die(backend) -> None:
+    """The replica dies: its session ends, and its locks with it (once the server notices)."""
+    if backend.name != "postgresql":
+        backend.close()  # file locks are released by the close itself
+        return
+    pid = backend._conn.connection.driver_connection.info.backend_pid
+    backend.close()
+    with backend.ledger_engine.connect() as conn:
+        wait_for(
+            lambda: (
+                not conn.execute(
+                    text("SELECT 1 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+                ).first()
+            ),
+            10,
+            "the server to end the session",
+        )
 
 
 def rows(backend) -> dict[datetime, dict]:
@@ -102,13 +129,17 @@ def test_a_tick_that_finds_the_previous_run_going_is_skipped_once_for_the_fleet(
     fourth = claim(b, t0 + timedelta(seconds=4))
     assert (fourth.consecutive_skips, fourth.alert) == (4, False)
 
-    finish(a, running)
+    # The long run ends long after its next tick: it overran, nothing has recovered.
+    overran = finish(a, running, next_due=t0 + timedelta(seconds=1))
+    assert not overran.skips_recovered and not overran.notices
     resumed = claim(b, t0 + timedelta(seconds=5))
-    assert resumed.outcome is Outcome.RUN and resumed.recovered  # one recovery notice
+    assert resumed.outcome is Outcome.RUN
     assert resumed.consecutive_skips == 4  # the streak it ends
-    finish(b, resumed)
+    kept_up = finish(b, resumed)  # ends before its next tick: the job keeps up again
+    assert kept_up.skips_recovered and len(kept_up.notices) == 1  # one recovery notice
     again = claim(a, t0 + timedelta(seconds=6))
-    assert again.outcome is Outcome.RUN and not again.recovered
+    assert again.outcome is Outcome.RUN
+    assert not finish(a, again).skips_recovered
     statuses = [r["status"] for _, r in sorted(rows(a).items())]
     assert statuses == [
         "succeeded",
@@ -117,7 +148,7 @@ def test_a_tick_that_finds_the_previous_run_going_is_skipped_once_for_the_fleet(
         "skipped",
         "skipped",
         "succeeded",
-        "running",
+        "succeeded",
     ]
 
 
@@ -125,7 +156,7 @@ def test_a_dead_replicas_run_is_marked_crashed_and_its_late_finish_changes_nothi
     a, b = replicas("a"), replicas("b")
     t0 = tick(5)
     stale = claim(a, t0)
-    a.close()  # the replica dies: its session, and the lock with it, are gone
+    die(a)
 
     taken = claim(b, t0 + timedelta(seconds=1))
     assert taken.outcome is Outcome.RUN
@@ -181,17 +212,17 @@ def test_a_tracked_job_starts_with_no_streaks(replicas):
     from scheduler import ledger
 
     a = replicas("a")
+    ledger.track_jobs(a.ledger_engine, [(KEY, "job", "every 1s")], datetime.now(UTC))
     with a.ledger_engine.begin() as conn:
-        ledger.track_jobs(conn, [(KEY, "job", "every 1s")], datetime.now(UTC))
         conn.execute(
             ledger.ticks.insert().values(
                 job_key=KEY, scheduled_at=tick(25), job_name="job", status="missed"
             )
         )
     run = claim(a, tick(1))
-    assert run.outcome is Outcome.RUN and not run.recovered and run.consecutive_skips == 0
+    assert run.outcome is Outcome.RUN and run.consecutive_skips == 0
     done = finish(a, run)
-    assert not done.recovered and done.consecutive_failures == 0
+    assert not done.recovered and not done.skips_recovered and done.consecutive_failures == 0
     with a.ledger_engine.connect() as conn:
         rows = ledger.history(conn, KEY, 10)
     assert [r.manual for r in rows] == [False, False]
@@ -320,7 +351,9 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
     assert mine_a and mine_b and not mine_a & mine_b
     assert mine_a | mine_b == set(range(300, 340))  # every tick claimed, each once
     assert {o for k, o in first.items() if k not in mine_a} == {Outcome.YIELDED}
-    assert {o for k, o in second.items() if k not in mine_b} == {Outcome.LOST}
+    # b left a's share alone too: a claim's answer says nothing of other replicas' rows,
+    # and a tick of another share is tried again once anyone may take it.
+    assert {o for k, o in second.items() if k not in mine_b} == {Outcome.YIELDED}
     # Each replica learned the fleet from its claim, and computes the shares as the
     # server does: the next burst's other shares are not even sent.
     (live, rank_a), (_, rank_b) = a._fleet, b._fleet
@@ -339,3 +372,37 @@ def test_errors_are_stored_exactly(replicas):
     run = claim(a, tick(2))
     finish(a, run, status="failed", error=error)
     assert rows(a)[run.scheduled_at]["error"] == error
+
+
+def test_one_alert_per_streak_at_the_threshold_in_force(replicas):
+    """Thresholds change while a streak goes on (a deploy, replicas that differ)."""
+    a, b = replicas("a"), replicas("b")
+    t0 = tick(15)
+    assert claim(a, t0).outcome is Outcome.RUN
+    # Lowered from 5 to 3 while the streak stands at 4: it alerts at once.
+    assert not any(claim(b, t0 + timedelta(seconds=i), threshold=5).alert for i in range(1, 5))
+    lowered = claim(b, t0 + timedelta(seconds=5), threshold=3)
+    assert (lowered.consecutive_skips, lowered.alert) == (5, True)
+    assert not claim(b, t0 + timedelta(seconds=6), threshold=3).alert
+
+    other = KEY + 1
+    assert claim(a, t0, key=other).outcome is Outcome.RUN
+    alerts = [claim(b, t0 + timedelta(seconds=i), threshold=3, key=other).alert for i in (1, 2, 3)]
+    assert alerts == [False, False, True]
+    # Raised from 3 to 5 after the alert: the same streak never alerts again.
+    raised = [claim(b, t0 + timedelta(seconds=i), threshold=5, key=other).alert for i in (4, 5, 6)]
+    assert raised == [False, False, False]
+
+
+def test_failure_alerts_follow_the_threshold_in_force(replicas):
+    a = replicas("a")
+    base = tick(20)
+    failed = [
+        finish(a, claim(a, base + timedelta(seconds=i)), status="failed", threshold=5)
+        for i in range(4)
+    ]
+    assert not any(f.alert for f in failed)
+    lowered = finish(a, claim(a, base + timedelta(seconds=4)), status="failed", threshold=3)
+    assert (lowered.consecutive_failures, lowered.alert) == (5, True)
+    again = finish(a, claim(a, base + timedelta(seconds=5)), status="failed", threshold=6)
+    assert not again.alert

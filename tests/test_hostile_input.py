@@ -564,3 +564,40 @@ def test_one_line_hides_every_password(text):
     line = one_line(RuntimeError(text + "\nsecond line"))
     assert "ss#w" not in line and "rd@" not in line and "second line" not in line
     assert "***" in line
+
+
+# `scheduler run` against a database that refuses it: what no retry mends ends the start.
+
+
+def _run_against(url: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    config = project(tmp_path, Case())
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"PATH": "/usr/bin:/bin", "SCHEDULER_DATABASE_URL": url},
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "expect"),
+    [
+        (lambda base: base.replace("postgres@", "nosuchrole:s3cr3tpw@"), "nosuchrole"),
+        (lambda base: base.rsplit("/", 1)[0] + "/no_such_database", "no_such_database"),
+    ],
+    ids=["unknown role", "unknown database"],
+)
+def test_run_exits_2_on_an_error_no_retry_mends(change, expect, run_database, tmp_path):
+    result = _run_against(change(run_database), tmp_path, timeout=60)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("scheduler: ")]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and expect in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and "s3cr3tpw" not in result.stderr
+
+
+def test_run_waits_for_a_database_that_is_not_up_yet(tmp_path):
+    """Refused connections pass (the database may be starting): retried, not an exit."""
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run_against("postgresql://postgres@127.0.0.1:1/db", tmp_path, timeout=5)

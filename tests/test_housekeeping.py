@@ -13,7 +13,7 @@ from scheduler.backends.postgres import PostgresBackend
 from scheduler.catalog import Catalog
 from scheduler.config import Settings
 from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
-from tests.test_gate import make_job
+from tests.support import make_job
 
 NAMESPACE = 4242  # as the `backends` fixture
 
@@ -68,8 +68,9 @@ def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
     backend = backend_factory("h")
     keeper = Housekeeping(backend, Catalog((job,)), settings())
     now = datetime.now(UTC).replace(microsecond=0)
-    with backend.ledger_engine.begin() as conn:
-        ledger.track_jobs(conn, [(621, "lonely", "every 1s")], now - timedelta(minutes=10))
+    ledger.track_jobs(
+        backend.ledger_engine, [(621, "lonely", "every 1s")], now - timedelta(minutes=10)
+    )
     cutoff = now - job.misfire_grace - MISSED_MARGIN
     ran = cutoff - timedelta(seconds=5)
     with backend.ledger_engine.begin() as conn:
@@ -93,8 +94,9 @@ def test_missed_ticks_are_bounded_per_job(backend_factory):
     backend = backend_factory("h")
     keeper = Housekeeping(backend, Catalog((job,)), settings())
     now = datetime.now(UTC)
-    with backend.ledger_engine.begin() as conn:
-        ledger.track_jobs(conn, [(631, "long_gone", "every 1s")], now - timedelta(days=3))
+    ledger.track_jobs(
+        backend.ledger_engine, [(631, "long_gone", "every 1s")], now - timedelta(days=3)
+    )
     assert sweep_missed(keeper, now - timedelta(days=3), now) == 100
 
 

@@ -34,7 +34,6 @@ def started(run_id: int) -> events.RunStarted:
         manual=False,
         crashed=0,
         skips_ended=0,
-        skips_recovered=False,
         ping_url=None,
     )
 

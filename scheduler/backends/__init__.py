@@ -22,15 +22,16 @@ def open_backend(settings: Settings) -> Backend:
         return EmbeddedBackend(
             embedded_path(settings),
             instance=settings.instance_name,
-            namespace=settings.lock_namespace,
+            namespace=settings.namespace,
         )
     from scheduler.backends.postgres import PostgresBackend
 
     return PostgresBackend(
         settings.database_url.get_secret_value(),
         instance=settings.instance_name,
-        namespace=settings.lock_namespace,
+        namespace=settings.namespace,
         holder_timeout=settings.holder_timeout,
+        schema=settings.schema_name,
     )
 
 

@@ -1,22 +1,9 @@
 """The contract between the gate and a backend (PostgreSQL, or the embedded SQLite file).
 
 The gate decides what to ask; a backend answers each batch of requests
-atomically and in one round trip. Both backends implement the same protocol
-(see `scheduler.gate` for the whole story):
-
-- claim: insert the tick's ledger row; a conflict means another replica owns
-  the tick (`lost`). The owner then tries the job's lock: got it -> `run`
-  (and any other `running` row of the job is stale: `crashed`); not got ->
-  `skipped`, counted in the job's fleet-wide skip streak. Ticks older than
-  their grace are recorded `missed` instead of being run. A replica wins at
-  most `capacity` runs per batch (its free workers); ticks beyond that are
-  `deferred`, left unclaimed for the next batch or another replica. A backend
-  may spread a burst over the live replicas (`yielded`: another replica's
-  share, which anyone may take a moment later). Rows are claimed in
-  (scheduled_at, key) order on every replica.
-- finish: a conditional update of the run's row (only while it is still
-  `running` with this run_id: a stale run never overwrites what replaced
-  it), the failure streak, then the lock is released.
+atomically and in one round trip, following the protocol told in
+`scheduler.gate`. Both backends implement its steps under the same names
+(`postgres.sql` as SQL functions, `embedded.py` as methods).
 """
 
 from __future__ import annotations
@@ -28,6 +15,8 @@ from enum import StrEnum
 from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import Connection, Engine
+
+from scheduler.statuses import Status
 
 
 class Intent(StrEnum):
@@ -67,8 +56,8 @@ class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at on
     # skipped: the job's fleet-wide streak, this skip included; run: the streak it ends
     consecutive_skips: int | None = None
     alert: bool = False  # this skip made the streak reach its threshold
-    recovered: bool = False  # this run ends a streak that had alerted
     crashed: int = 0  # stale `running` rows this claim marked crashed
+    notices: tuple[int, ...] = ()  # outbox notices this claim raised (see `scheduler.notices`)
 
 
 @dataclass(frozen=True)
@@ -76,10 +65,13 @@ class FinishRequest:
     key: int
     scheduled_at: datetime
     run_id: int
-    status: str  # succeeded, failed or crashed
+    status: Status  # succeeded, failed, interrupted or crashed
     error: str | None
     unlock: bool  # False when the session that took the lock is gone
     fail_threshold: int
+    told: str | None = None  # what the run was told while it ran (see statuses.Told)
+    duration_s: float | None = None  # the run's own duration, measured here
+    next_due: datetime | None = None  # the job's next tick: a run ended by then kept up
 
 
 class FinishResult(NamedTuple):
@@ -91,10 +83,17 @@ class FinishResult(NamedTuple):
     consecutive_failures: int | None = None
     alert: bool = False  # this failure made the failure streak reach its threshold
     recovered: bool = False  # this success ends a failure streak that had alerted
+    skips_recovered: bool = False  # this run kept up, ending an overrun that had alerted
+    notices: tuple[int, ...] = ()
 
 
 class SessionLost(Exception):
-    """The session that held this replica's locks is gone; every lock with it."""
+    """The session that held this replica's locks is gone; every lock with it.
+
+    Only a broken connection is a lost session: a statement the server cut short
+    (statement or lock timeout, a deadlock, a serialization failure) raises the
+    driver's error and leaves the session, and its locks, as they were.
+    """
 
 
 class Unavailable(Exception):
@@ -105,6 +104,9 @@ class Backend(Protocol):
     """What the gate needs from a store of locks and ledger rows."""
 
     name: str
+    # Locks that belong to a network session need a watchdog: a session that cannot be
+    # proven alive for holder_timeout has lost them. Kernel file locks do not.
+    needs_watchdog: bool
 
     def connect(self) -> None:
         """Open the lock session; raises Unavailable."""

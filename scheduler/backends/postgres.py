@@ -27,7 +27,6 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import Connection, Engine, create_engine, event, func, select, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
@@ -42,7 +41,15 @@ from scheduler.backends.base import (
     Unavailable,
 )
 from scheduler.backends.schema import migrate
-from scheduler.errors import PoolerError, one_line
+from scheduler.errors import ConfigError, PoolerError, one_line
+from scheduler.statuses import CRASHED_LOST_LOCK
+from scheduler.urls import (
+    database_url_secrets,
+    libpq_url,
+    parse_database_url,
+    redact_database_url,
+    scrub,
+)
 
 log = logging.getLogger("scheduler.postgres")
 
@@ -59,40 +66,27 @@ POOLER_MESSAGE = (
 
 _CLAIM = text(
     "SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from,"
-    " CAST(:keys AS integer[]),"
+    " :crashed, CAST(:keys AS integer[]),"
     " CAST(:names AS text[]), CAST(:ticks AS timestamptz[]), CAST(:intents AS text[]),"
     " CAST(:graces AS double precision[]), CAST(:thresholds AS integer[]))"
 )
 _FINISH = text(
-    "SELECT * FROM scheduler_finish(:ns, CAST(:keys AS integer[]),"
+    "SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),"
     " CAST(:ticks AS timestamptz[]), CAST(:run_ids AS bigint[]), CAST(:statuses AS text[]),"
-    " CAST(:errors AS text[]), CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]))"
+    " CAST(:errors AS text[]), CAST(:told AS text[]), CAST(:durations AS double precision[]),"
+    " CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]),"
+    " CAST(:next_dues AS timestamptz[]))"
 )
-
-
-def sqlalchemy_url(url: str) -> str:
-    """Accept the usual postgresql:// spellings; drive them with psycopg 3."""
-    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    raise ValueError("not a postgresql:// URL")
-
-
-def redact(url: str) -> str:
-    """The URL with its password hidden, for logs and messages."""
-    try:
-        return (
-            make_url(sqlalchemy_url(url))
-            .render_as_string(hide_password=True)
-            .replace("postgresql+psycopg://", "postgresql://")
-        )
-    except Exception:
-        return "postgresql://…"
+# SQLSTATEs that end the session itself: a connection failure (class 08), the server
+# shutting down or ending the session (57P01-57P05), or a read-only node (a standby,
+# after a failover). Any other error (a statement or lock timeout, a deadlock) leaves
+# the session and its locks as they were.
+_SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", "25006"}
 
 
 def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:
     """libpq options: the instance name for pg_stat_activity, and dead-peer detection."""
-    query = make_url(sqlalchemy_url(url)).query
+    given = parse_database_url(url).option_names
     wanted: dict[str, Any] = {
         "application_name": instance,
         "connect_timeout": max(2, math.ceil(holder_timeout / 3)),
@@ -102,12 +96,48 @@ def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, An
         "keepalives_count": 3,
         "tcp_user_timeout": int(holder_timeout * 1000),
     }
-    return {k: v for k, v in wanted.items() if k not in query}
+    return {k: v for k, v in wanted.items() if k not in given}
+
+
+def psycopg_engine(url: str, args: dict[str, Any], **options: Any) -> Engine:
+    """A SQLAlchemy engine that hands the URL to libpq as it is.
+
+    SQLAlchemy's own URL parser cannot read multi-host URLs and splits user
+    and host at another `@` than libpq does; libpq reads it here, once.
+    """
+    engine = create_engine("postgresql+psycopg://", connect_args=args, **options)
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(_dialect: Any, _record: Any, cargs: list[Any], _cparams: Any) -> None:
+        cargs[:] = [libpq_url(url)]
+
+    return engine
 
 
 def share_of(key: int, live: int) -> int:
-    """Which live replica's share a job key falls in (as in postgres.sql)."""
-    return (key * 2654435761) % 4294967296 % live
+    """Which live replica's share a job key falls in (as scheduler_share in postgres.sql)."""
+    return (key * 2654435761) % 4294967296 % max(live, 1)
+
+
+def search_path(schema: str) -> str:
+    """Every table, function and sequence of a fleet lives in its schema (config: `schema`)."""
+    return f'"{schema}"'
+
+
+def session_timeouts(holder_timeout: float) -> tuple[str, str, str, str]:
+    """The lock session's own limits, so that no server configuration is needed.
+
+    - idle_session_timeout = holder_timeout: a replica that goes quiet (frozen, cut
+      off) has its session ended by the server, and its locks with it; the gate
+      sends a heartbeat after a third of that.
+    - statement_timeout = a third, lock_timeout = a sixth: a claim that waits on a
+      row lock (a slow or frozen peer's transaction) gives up well before the
+      watchdog would doubt the session; the claim is retried, the session kept.
+    - tcp_user_timeout = holder_timeout: a reply the client does not read (a
+      process frozen mid-reply) cannot keep the session past it either.
+    """
+    ms = holder_timeout * 1000
+    return (f"{int(ms)}ms", f"{int(ms / 3)}ms", f"{int(ms / 6)}ms", str(int(ms)))
 
 
 # Array literals, cast server-side. A claim sends several arrays of hundreds of
@@ -115,21 +145,22 @@ def share_of(key: int, live: int) -> int:
 # element of a Python list, and one function per element type keeps it cheap.
 
 
-def pg_numbers(values: Iterable[int | float]) -> str:
-    return "{" + ",".join(map(repr, values)) + "}"
+def pg_numbers(values: Iterable[int | float | None]) -> str:
+    return "{" + ",".join("NULL" if v is None else repr(v) for v in values) + "}"
 
 
 def pg_texts(values: Iterable[str | None]) -> str:
     return "{" + ",".join(map(_text_element, values)) + "}"
 
 
-def pg_times(values: Iterable[datetime]) -> str:
+def pg_times(values: Iterable[datetime | None]) -> str:
     """A burst's ticks are mostly one instant: each distinct one is formatted once."""
-    formatted: dict[datetime, str] = {}
+    formatted: dict[datetime | None, str] = {None: "NULL"}
     items = []
     for value in values:
         item = formatted.get(value)
         if item is None:
+            assert value is not None
             item = formatted[value] = f'"{value.isoformat()}"'
         items.append(item)
     return "{" + ",".join(items) + "}"
@@ -149,8 +180,7 @@ def short_connection(url: str, instance: str) -> psycopg.Connection[Any]:
     """A plain autocommit connection for checks, given up on after 5 s."""
     args = connect_args(instance, 30.0, url)
     args["connect_timeout"] = 5
-    plain = sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
-    return psycopg.connect(plain, autocommit=True, **args)
+    return psycopg.connect(libpq_url(url), autocommit=True, **args)
 
 
 def session_is_kept(url: str, instance: str) -> bool:
@@ -173,19 +203,57 @@ def session_is_kept(url: str, instance: str) -> bool:
     return len(pids[0]) == 1 and len(pids[1]) == 1 and not pids[0] & pids[1]
 
 
-def is_connection_error(exc: BaseException) -> bool:
+_TRANSIENT_REFUSALS = (
+    "starting up",
+    "shutting down",
+    "not yet accepting",
+    "recovery mode",
+    "too many",
+    "connection slots",
+    "sorry",
+)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """An error no retry mends: the server refused us for who we are or what we asked.
+
+    Authentication, a role or database that does not exist, a missing
+    privilege. A server that is starting, stopping or full, a refused or
+    timed-out connection, a name that does not resolve: those pass.
+    """
+    original = getattr(exc, "orig", None) or exc
+    if getattr(original, "sqlstate", None) in ("42501", "3D000", "28000", "28P01"):
+        return True
+    text = str(original)
+    if "FATAL:" not in text:
+        return False
+    refusal = text.split("FATAL:", 1)[1]
+    return not any(marker in refusal for marker in _TRANSIENT_REFUSALS)
+
+
+def ends_session(exc: BaseException, conn: Connection | None) -> bool:
+    """Is the session gone with this error, or only the statement that raised it?"""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    original = getattr(exc, "orig", exc)
-    if isinstance(original, psycopg.OperationalError):
+    driver = conn.connection.driver_connection if conn is not None and not conn.closed else None
+    if not isinstance(driver, psycopg.Connection) or driver.closed:
         return True
-    return isinstance(exc, OperationalError)
+    if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
+        return True
+    original = getattr(exc, "orig", exc)
+    if not isinstance(original, psycopg.Error):
+        return isinstance(exc, OperationalError)
+    state = original.sqlstate
+    if state is None:  # raised by the client: the connection failed under it
+        return isinstance(original, psycopg.OperationalError | psycopg.InterfaceError)
+    return state.startswith("08") or state in _SESSION_ENDING
 
 
 class PostgresBackend:
     """A replica's lock session on PostgreSQL."""
 
     name = "postgresql"
+    needs_watchdog = True
 
     def __init__(
         self,
@@ -194,27 +262,27 @@ class PostgresBackend:
         instance: str,
         namespace: int,
         holder_timeout: float,
+        schema: str = "public",
     ) -> None:
         self.url = url
+        self.schema = schema
         self.instance = instance
         self.namespace = namespace
         self.holder_timeout = holder_timeout
-        self.engine: Engine = create_engine(
-            sqlalchemy_url(url),
-            poolclass=NullPool,
-            connect_args=connect_args(instance, holder_timeout, url),
-        )
-        # The second session: housekeeping and nothing else (never holds a lock).
-        self.ledger_engine: Engine = create_engine(
-            sqlalchemy_url(url),
-            pool_size=1,
-            max_overflow=1,
-            pool_recycle=600,
-            connect_args=connect_args(instance, holder_timeout, url),
+        args = connect_args(instance, holder_timeout, url)
+        self.secrets = database_url_secrets(url)
+        self.engine = psycopg_engine(url, args, poolclass=NullPool)
+        # The second session: housekeeping, notices and the commands (never holds a lock).
+        self.ledger_engine = psycopg_engine(
+            url, args, pool_size=1, max_overflow=1, pool_recycle=600
         )
         event.listen(self.ledger_engine, "connect", self._ledger_session_settings)
         self._conn: Connection | None = None
         self._fleet = (1, 0)  # live replicas and this one's rank, as of the last claim
+
+    def say(self, exc: BaseException) -> str:
+        """A driver's error in one line, with no part of any password in it."""
+        return scrub(one_line(exc), self.secrets)
 
     def _ledger_session_settings(self, dbapi_connection: Any, _record: Any) -> None:
         """A replica frozen mid-transaction must not hold ledger rows for long."""
@@ -222,8 +290,9 @@ class PostgresBackend:
             cursor.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
                 " set_config('statement_timeout', '60s', false),"
+                " set_config('search_path', %s, false),"
                 " set_config('TimeZone', 'UTC', false)",
-                (f"{int(self.holder_timeout * 1000)}ms",),
+                (f"{int(self.holder_timeout * 1000)}ms", search_path(self.schema)),
             )
         dbapi_connection.commit()
 
@@ -234,18 +303,21 @@ class PostgresBackend:
         try:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except SQLAlchemyError as exc:
-            raise Unavailable(one_line(exc)) from None
+            raise Unavailable(self.say(exc)) from None
         try:
             driver = conn.connection.driver_connection
             assert isinstance(driver, psycopg.Connection)
             driver.execute(
                 "SELECT set_config('idle_session_timeout', %s, false),"
                 " set_config('statement_timeout', %s, false),"
+                " set_config('lock_timeout', %s, false),"
+                " set_config('tcp_user_timeout', %s, false),"
+                " set_config('search_path', %s, false),"
                 " set_config('TimeZone', 'UTC', false),"
                 " pg_advisory_lock_shared(%s, %s)",
                 (
-                    f"{int(self.holder_timeout * 1000)}ms",
-                    f"{int(self.holder_timeout * 500)}ms",
+                    *session_timeouts(self.holder_timeout),
+                    search_path(self.schema),
                     self.namespace,
                     PRESENCE_KEY,
                 ),
@@ -253,7 +325,7 @@ class PostgresBackend:
         except Exception as exc:
             conn.invalidate()
             conn.close()
-            raise Unavailable(one_line(exc)) from None
+            raise Unavailable(self.say(exc)) from None
         self._conn = conn
 
     def close(self) -> None:
@@ -267,27 +339,31 @@ class PostgresBackend:
 
     def migrate(self) -> int:
         with self.ledger_engine.connect() as conn:
-            return migrate(conn, self.namespace)
+            return migrate(conn, self.namespace, self.schema)
 
     def verify(self) -> None:
-        """Refuse a pooler that does not keep sessions (raises PoolerError)."""
+        """Refuse what no retry can mend: a pooler that does not keep sessions, a wrong
+        password, a database that does not exist (ConfigError). Unavailable otherwise."""
         try:
             kept = session_is_kept(self.url, self.instance)
-        except psycopg.OperationalError as exc:
-            raise Unavailable(one_line(exc)) from None
+        except Exception as exc:
+            if is_permanent(exc):
+                raise ConfigError(f"{redact_database_url(self.url)}: {self.say(exc)}") from None
+            raise Unavailable(self.say(exc)) from None
         if not kept:
-            raise PoolerError(f"{redact(self.url)}: {POOLER_MESSAGE}")
+            raise PoolerError(f"{redact_database_url(self.url)}: {POOLER_MESSAGE}")
 
     @contextmanager
     def _session(self) -> Iterator[Connection]:
-        if self._conn is None:
+        conn = self._conn
+        if conn is None:
             raise SessionLost("not connected")
         try:
-            yield self._conn
+            yield conn
         except SQLAlchemyError as exc:
-            if is_connection_error(exc):
+            if ends_session(exc, conn):
                 self.close()
-                raise SessionLost(one_line(exc)) from None
+                raise SessionLost(self.say(exc)) from None
             raise
 
     def abort(self) -> None:
@@ -297,19 +373,20 @@ class PostgresBackend:
         when no round trip has succeeded for holder_timeout: by then the server
         has ended the session anyway.
         """
-        fd = self.fileno()
-        if fd is None:
-            return
         try:
+            fd = self.fileno()
+            if fd is None:
+                return
             with socket.socket(fileno=os.dup(fd)) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        except Exception:  # the session is being replaced under us: nothing to cut short
+            log.debug("aborting the lock session failed", exc_info=True)
 
     def fileno(self) -> int | None:
-        if self._conn is None:
+        conn = self._conn  # read once: the dispatcher may replace it meanwhile
+        if conn is None:
             return None
-        driver = self._conn.connection.driver_connection
+        driver = conn.connection.driver_connection
         return driver.fileno() if isinstance(driver, psycopg.Connection) else None
 
     def check_alive(self) -> None:
@@ -323,7 +400,7 @@ class PostgresBackend:
             pgconn.consume_input()
         except psycopg.OperationalError as exc:
             self.close()
-            raise SessionLost(str(exc).strip() or "the server closed the session") from None
+            raise SessionLost(self.say(exc) or "the server closed the session") from None
         if pgconn.status != psycopg.pq.ConnStatus.OK:
             self.close()
             raise SessionLost("the server closed the session")
@@ -349,6 +426,7 @@ class PostgresBackend:
             "capacity": capacity,
             "takeover": TAKEOVER_S,
             "share_from": SHARE_FROM,
+            "crashed": CRASHED_LOST_LOCK,
             "keys": pg_numbers([r.key for r in sent]),
             "names": pg_texts([r.name for r in sent]),
             "ticks": pg_times([r.scheduled_at for r in sent]),
@@ -358,19 +436,55 @@ class PostgresBackend:
         }
         with self._session() as conn:
             rows = conn.execute(_CLAIM, params).all() if sent else []
-        if rows:
-            self._fleet = (rows[0][11], rows[0][12])
-        # Columns in ClaimResult's order, then the fleet's size and this replica's rank.
-        results = [ClaimResult(row[0], row[1], Outcome(row[2]), *row[3:11]) for row in rows]
-        # The function leaves out the ticks another replica owns: they are `lost`.
-        answered = {(r.key, r.scheduled_at) for r in results}
-        results += [
-            ClaimResult(r.key, r.scheduled_at, Outcome.LOST)
-            for r in sent
-            if (r.key, r.scheduled_at) not in answered
+        results = [
+            ClaimResult(
+                row.job_key,
+                row.scheduled_at,
+                Outcome(row.outcome),
+                row.run_id,
+                row.started_at,
+                row.holder,
+                row.holder_since,
+                row.streak,
+                row.alert,
+                row.crashed,
+                () if row.notice is None else (row.notice,),
+            )
+            for row in rows
+            if row.outcome != "fleet"
         ]
+        summary = next((row for row in rows if row.outcome == "fleet"), None)
+        if summary is not None:
+            self._fleet = (summary.live, summary.rank)
+            results += self._unanswered(sent, results, summary)
         results += [ClaimResult(r.key, r.scheduled_at, Outcome.YIELDED) for r in yielded]
         return results
+
+    @staticmethod
+    def _unanswered(
+        sent: Sequence[ClaimRequest], answered: list[ClaimResult], summary: Any
+    ) -> list[ClaimResult]:
+        """What the claim's summary says of the ticks it did not answer one by one."""
+        seen = {(r.key, r.scheduled_at) for r in answered}
+        live = summary.live if len(sent) >= SHARE_FROM else 1
+        cutoff = (
+            (summary.deferred_after, summary.deferred_key)
+            if summary.deferred_after is not None
+            else None
+        )
+        out = []
+        for r in sent:
+            if (r.key, r.scheduled_at) in seen:
+                continue
+            age = (summary.db_now - r.scheduled_at).total_seconds()
+            outcome = Outcome.LOST  # another replica owns it (or recorded it missed)
+            if r.intent is Intent.RUN and age <= r.grace_s:
+                if live > 1 and share_of(r.key, live) != summary.rank and age < TAKEOVER_S:
+                    outcome = Outcome.YIELDED
+                elif cutoff is not None and (r.scheduled_at, r.key) > cutoff:
+                    outcome = Outcome.DEFERRED
+            out.append(ClaimResult(r.key, r.scheduled_at, outcome))
+        return out
 
     def _split_shares(
         self, requests: Sequence[ClaimRequest]
@@ -398,17 +512,34 @@ class PostgresBackend:
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         params = {
             "ns": self.namespace,
+            "instance": self.instance,
             "keys": pg_numbers([r.key for r in requests]),
             "ticks": pg_times([r.scheduled_at for r in requests]),
             "run_ids": pg_numbers([r.run_id for r in requests]),
             "statuses": pg_texts([r.status for r in requests]),
             "errors": pg_texts([r.error for r in requests]),
+            "told": pg_texts([r.told for r in requests]),
+            "durations": pg_numbers([r.duration_s for r in requests]),
             "unlocks": pg_bools([r.unlock for r in requests]),
             "thresholds": pg_numbers([r.fail_threshold for r in requests]),
+            "next_dues": pg_times([r.next_due for r in requests]),
         }
         with self._session() as conn:
             rows = conn.execute(_FINISH, params).all()
-        return [FinishResult(*row) for row in rows]  # columns in FinishResult's order
+        return [
+            FinishResult(
+                row.job_key,
+                row.scheduled_at,
+                row.recorded,
+                row.finished_at,
+                row.failures,
+                row.alert,
+                row.recovered,
+                row.skips_recovered,
+                tuple(row.notices),
+            )
+            for row in rows
+        ]
 
     def heartbeat(self) -> datetime:
         with self._session() as conn:
@@ -426,20 +557,17 @@ class PostgresBackend:
         assert isinstance(value, datetime)
         return value
 
+    # Who holds which of this fleet's advisory locks: scheduler_locks in postgres.sql.
+
     def free_locks(self, conn: Connection, keys: Sequence[int]) -> set[int]:
         """Which of these job locks no session of this database holds right now."""
-        rows = conn.execute(
-            text(
-                "SELECT k FROM unnest(CAST(:keys AS integer[])) AS k WHERE NOT EXISTS ("
-                " SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted"
-                " AND l.database = (SELECT oid FROM pg_database"
-                "                   WHERE datname = current_database())"
-                " AND l.classid = CAST(CAST(:ns AS bigint) AS oid)"
-                " AND l.objid = CAST(k AS oid) AND l.objsubid = 2)"
-            ),
-            {"keys": list(keys), "ns": self.namespace & 0xFFFFFFFF},
-        )
-        return {row[0] for row in rows}
+        held = {
+            row.key
+            for row in conn.execute(
+                text("SELECT key FROM scheduler_locks(:ns)"), {"ns": self.namespace}
+            )
+        }
+        return {key for key in keys if key not in held}
 
     def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
         """Replicas whose lock session is up: they hold (lock_namespace, 0) in share mode."""
@@ -447,15 +575,10 @@ class PostgresBackend:
             text(
                 "SELECT a.application_name AS name, a.backend_start AS since,"
                 " host(a.client_addr) AS address, a.pid"
-                " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock'"
-                " AND l.database = (SELECT oid FROM pg_database"
-                "                   WHERE datname = current_database())"
-                " AND l.classid = CAST(CAST(:ns AS bigint) AS oid)"
-                " AND l.objid = CAST(:key AS oid) AND l.objsubid = 2"
-                " ORDER BY a.application_name"
+                " FROM scheduler_locks(:ns) l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.key = 0 AND l.shared ORDER BY a.application_name"
             ),
-            {"ns": self.namespace & 0xFFFFFFFF, "key": PRESENCE_KEY},
+            {"ns": self.namespace},
         )
         return [dict(row._mapping) for row in rows]
 
@@ -463,14 +586,10 @@ class PostgresBackend:
         """Job key -> the instance whose session holds its lock right now."""
         rows = conn.execute(
             text(
-                "SELECT CAST(l.objid AS bigint) AS key, a.application_name AS name"
-                " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock'"
-                " AND l.database = (SELECT oid FROM pg_database"
-                "                   WHERE datname = current_database())"
-                " AND l.classid = CAST(CAST(:ns AS bigint) AS oid) AND l.objsubid = 2"
-                " AND l.objid <> CAST(0 AS oid)"
+                "SELECT l.key, a.application_name AS name"
+                " FROM scheduler_locks(:ns) l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.key BETWEEN 1 AND 2147483647 AND NOT l.shared"
             ),
-            {"ns": self.namespace & 0xFFFFFFFF},
+            {"ns": self.namespace},
         )
         return {int(row.key): row.name for row in rows}

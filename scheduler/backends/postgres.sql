@@ -1,34 +1,314 @@
--- The gate's two atomic steps on PostgreSQL, one round trip each per batch.
--- The tables come from scheduler/ledger.py; the story is told in scheduler/gate.py.
--- Both functions run on the replica's lock session: the advisory locks they
--- take and release are session-level and live as long as that session.
+-- The gate's two atomic steps on PostgreSQL, claim and finish: one round trip each per batch.
 --
--- Rows are always inserted and locked in one order, (scheduled_at, job_key):
--- replicas claiming the same ticks at the same moment then only ever wait for
--- one another in one direction, never in a cycle.
+-- The protocol is told once, in scheduler/gate/__init__.py. Each function below is one
+-- named step of it; scheduler/backends/embedded.py has a method of the same name for each
+-- step, so the two backends can be read side by side. The tables come from
+-- scheduler/ledger.py. Both entry points run on the replica's lock session: the advisory
+-- locks they take and release are session-level and live as long as that session.
+--
+-- Row locks, one global order. Every transaction that writes these tables takes its row
+-- locks in this order, so claims, finishes, sweeps and start-ups never wait for one
+-- another in a cycle:
+--   1. new rows of scheduler_ticks (INSERT), in (scheduled_at, job_key) order;
+--   2. existing rows of scheduler_ticks (UPDATE), in (scheduled_at, job_key) order;
+--   3. rows of scheduler_jobs, in job_key order;
+--   4. scheduler_notices: only inserted here (delivery updates nothing else).
+-- A transaction never takes a lock of an earlier class after one of a later class; the
+-- housekeeping sweep marks crashed runs (2) and records missed ticks (1) in separate
+-- transactions, and start-up updates each changed job row (3) in a transaction of its own.
 
--- scheduler_claim: claim a batch of ticks.
+-- Advisory locks of this fleet: key (0: a live replica's presence, shared), holder.
+CREATE FUNCTION scheduler_locks(p_namespace integer)
+RETURNS TABLE (key bigint, shared boolean, pid integer)
+LANGUAGE sql STABLE AS $$
+    SELECT l.objid::bigint, l.mode = 'ShareLock', l.pid
+      FROM pg_locks l
+     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+       AND l.classid = (p_namespace::bigint & 4294967295)::oid
+$$;
+
+-- The live replicas (sessions holding the shared presence lock) and this one's rank.
+CREATE FUNCTION scheduler_fleet(p_namespace integer, OUT live integer, OUT rank integer)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    SELECT count(*)::integer, (count(*) FILTER (WHERE l.pid < pg_backend_pid()))::integer
+      INTO live, rank
+      FROM scheduler_locks(p_namespace) l
+     WHERE l.key = 0 AND l.shared;
+END;
+$$;
+
+-- Which live replica's share of a burst a job key falls in (Knuth's multiplicative hash;
+-- scheduler/backends/postgres.py computes the same, to leave other shares out of a batch).
+CREATE FUNCTION scheduler_share(p_key integer, p_live integer)
+RETURNS integer LANGUAGE sql IMMUTABLE AS $$
+    SELECT mod(mod(p_key::bigint * 2654435761, 4294967296), greatest(p_live, 1))::integer
+$$;
+
+-- A tick on its way through a claim; `fate` is what the claim has decided for it so far.
+CREATE TYPE scheduler_tick AS (
+    key          integer,
+    name         text,
+    tick         timestamptz,
+    intent       text,
+    threshold    integer,
+    fate         text,   -- running, skipped, missed, held (and, after the insert, lost)
+    run_id       bigint,
+    started_at   timestamptz,
+    holder       text,
+    holder_since timestamptz
+);
+
+-- Step 1. Choose: what this claim tries to insert.
+--   manual     -> running (its lock is taken first, below)
+--   skip       -> skipped (this replica still runs the job; late or not, it is recorded)
+--   run, late  -> missed (past its grace by the database clock, the same for every replica)
+--   run        -> running, if it is this replica's share of a burst (or old enough to be
+--                 anyone's) and within p_capacity, this replica's free workers.
+-- Ticks not chosen are not answered: the caller reads them as lost, yielded or deferred
+-- from the claim's summary (see scheduler_claim).
+CREATE FUNCTION scheduler_choose(
+    p_capacity integer, p_takeover double precision, p_live integer, p_rank integer,
+    p_keys integer[], p_names text[], p_ticks timestamptz[], p_intents text[],
+    p_graces double precision[], p_thresholds integer[]
+) RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH q AS (
+        SELECT q.*, now() - q.tick > make_interval(secs => q.grace) AS late,
+               p_live <= 1 OR scheduler_share(q.key, p_live) = p_rank
+                   OR now() - q.tick >= make_interval(secs => p_takeover) AS mine,
+               -- A probe of the primary key per tick (never a join the planner could
+               -- turn into a scan of the whole ledger).
+               EXISTS (SELECT 1 FROM scheduler_ticks t
+                        WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken
+          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
+               AS q(key, name, tick, intent, grace, threshold)
+    ), runs AS (
+        SELECT q.key, q.tick FROM q
+         WHERE q.intent = 'run' AND NOT q.late AND q.mine AND NOT q.taken
+         ORDER BY q.tick, q.key LIMIT p_capacity
+    )
+    SELECT q.key, q.name, q.tick, q.intent, q.threshold,
+           CASE WHEN q.intent = 'skip' THEN 'skipped'
+                WHEN q.intent = 'manual' THEN 'running'
+                WHEN q.late THEN 'missed'
+                ELSE 'running' END,
+           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz
+      FROM q
+     WHERE q.intent IN ('skip', 'manual') OR (q.intent = 'run' AND q.late)
+        OR (q.key, q.tick) IN (SELECT runs.key, runs.tick FROM runs);
+END;
+$$;
+
+-- Step 2. A manual run (`scheduler trigger`) has a tick of its own, "now": only the lock
+-- can stop it, so the lock comes before its row. Not got: `held`, and no row.
+CREATE FUNCTION scheduler_lock_manual(p_namespace integer, p_ticks scheduler_tick[])
+RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+DECLARE
+    t scheduler_tick;
+BEGIN
+    FOR t IN SELECT * FROM unnest(p_ticks) ORDER BY tick, key LOOP
+        IF t.intent = 'manual' AND NOT pg_try_advisory_lock(p_namespace, t.key) THEN
+            t.fate := 'held';
+            SELECT r.instance, r.started_at INTO t.holder, t.holder_since
+              FROM scheduler_ticks r
+             WHERE r.job_key = t.key AND r.status = 'running'
+             ORDER BY r.scheduled_at DESC LIMIT 1;
+        END IF;
+        RETURN NEXT t;
+    END LOOP;
+END;
+$$;
+
+-- Step 3. Insert: one INSERT for every chosen tick, in the common order. The primary key
+-- (job_key, scheduled_at) lets exactly one replica own a tick; a tick some replica
+-- already owns is `lost` here.
+CREATE FUNCTION scheduler_insert_ticks(p_instance text, p_ticks scheduler_tick[])
+RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH inserted AS (
+        INSERT INTO scheduler_ticks AS r
+               (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual)
+        SELECT c.key, c.tick, c.name, c.fate, p_instance,
+               CASE WHEN c.fate = 'running' THEN nextval('scheduler_run_id') END,
+               CASE WHEN c.fate = 'running' THEN clock_timestamp() END,
+               c.intent = 'manual'
+          FROM unnest(p_ticks) c
+         WHERE c.fate <> 'held'
+         ORDER BY c.tick, c.key
+        ON CONFLICT DO NOTHING
+        RETURNING r.job_key, r.scheduled_at, r.run_id, r.started_at
+    )
+    SELECT c.key, c.name, c.tick, c.intent, c.threshold,
+           CASE WHEN c.fate = 'held' OR i.job_key IS NOT NULL THEN c.fate ELSE 'lost' END,
+           i.run_id, i.started_at, c.holder, c.holder_since
+      FROM unnest(p_ticks) c
+      LEFT JOIN inserted i ON i.job_key = c.key AND i.scheduled_at = c.tick;
+END;
+$$;
+
+-- Step 4. Lock or skip: the owner of a tick tries its job's lock, in the common order.
+-- Got it: the run starts. Held: the previous run is still going, the tick is `skipped`.
+-- Intent `skip` never gets here: advisory locks stack within a session, so the replica
+-- that runs the job must never ask for its lock again.
+CREATE FUNCTION scheduler_take_locks(p_namespace integer, p_ticks scheduler_tick[])
+RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+DECLARE
+    t scheduler_tick;
+BEGIN
+    FOR t IN SELECT * FROM unnest(p_ticks) ORDER BY tick, key LOOP
+        IF t.fate = 'running' AND t.intent = 'run'
+           AND NOT pg_try_advisory_lock(p_namespace, t.key) THEN
+            t.fate := 'skipped';
+        END IF;
+        RETURN NEXT t;
+    END LOOP;
+END;
+$$;
+
+-- Step 5. Record skips: each skipped tick's row says whose run held the lock.
+CREATE FUNCTION scheduler_record_skips(p_ticks scheduler_tick[])
+RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH skipped AS (
+        SELECT s.* FROM unnest(p_ticks) s WHERE s.fate = 'skipped'
+    ), holders AS (
+        SELECT DISTINCT ON (r.job_key) r.job_key, r.instance, r.started_at
+          FROM scheduler_ticks r
+         WHERE r.job_key IN (SELECT skipped.key FROM skipped) AND r.status = 'running'
+           AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c)
+         ORDER BY r.job_key, r.scheduled_at DESC
+    ), updated AS (
+        UPDATE scheduler_ticks r
+           SET status = 'skipped', run_id = NULL, started_at = NULL, holder = h.instance
+          FROM skipped s LEFT JOIN holders h ON h.job_key = s.key
+         WHERE r.job_key = s.key AND r.scheduled_at = s.tick
+           AND r.job_key = ANY (ARRAY(SELECT skipped.key FROM skipped))
+           AND r.scheduled_at = ANY (ARRAY(SELECT skipped.tick FROM skipped))
+        RETURNING r.job_key, r.scheduled_at, h.instance, h.started_at
+    )
+    SELECT c.key, c.name, c.tick, c.intent, c.threshold, c.fate,
+           CASE WHEN c.fate = 'skipped' THEN NULL ELSE c.run_id END,
+           CASE WHEN c.fate = 'skipped' THEN NULL ELSE c.started_at END,
+           u.instance, u.started_at
+      FROM unnest(p_ticks) c
+      LEFT JOIN updated u ON u.job_key = c.key AND u.scheduled_at = c.tick;
+END;
+$$;
+
+-- Step 6. Crash stale runs: this replica now holds the locks of the jobs it starts, so any
+-- other `running` row of those jobs belongs to a replica that died or lost the lock.
+CREATE FUNCTION scheduler_crash_stale(p_ticks scheduler_tick[], p_message text)
+RETURNS TABLE (key integer, crashed integer) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH runs AS (
+        SELECT c.key, c.tick FROM unnest(p_ticks) c WHERE c.fate = 'running'
+    ), stale AS (
+        SELECT r.job_key, r.scheduled_at
+          FROM scheduler_ticks r JOIN runs ON r.job_key = runs.key
+         WHERE r.status = 'running' AND r.scheduled_at <> runs.tick
+         ORDER BY r.scheduled_at, r.job_key
+           FOR UPDATE OF r
+    ), marked AS (
+        UPDATE scheduler_ticks r
+           SET status = 'crashed', finished_at = clock_timestamp(),
+               error = coalesce(r.error, p_message)
+          FROM stale
+         WHERE r.job_key = stale.job_key AND r.scheduled_at = stale.scheduled_at
+           AND r.status = 'running'
+        RETURNING r.job_key
+    )
+    SELECT marked.job_key, count(*)::integer FROM marked GROUP BY marked.job_key;
+END;
+$$;
+
+-- Step 7. Skip streaks, one pass over the jobs' rows in key order. A run ends its job's
+-- streak of skipped ticks; skips grow it. A streak alerts once, when it first reaches the
+-- threshold in force (whatever the threshold was before), and the alert stays raised until
+-- a run keeps up again (see scheduler_finish_streaks): then one recovery notice.
+CREATE FUNCTION scheduler_skip_streaks(p_instance text, p_ticks scheduler_tick[])
+RETURNS TABLE (key integer, tick timestamptz, streak integer, alert boolean, notice bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
+    SELECT c.key, min(c.name), now() FROM unnest(p_ticks) c
+     WHERE c.fate = 'skipped' GROUP BY c.key ORDER BY c.key
+    ON CONFLICT DO NOTHING;
+    RETURN QUERY
+    WITH per_job AS (
+        SELECT c.key, bool_or(c.fate = 'running') AS ran,
+               count(*) FILTER (WHERE c.fate = 'skipped')::integer AS skips,
+               min(c.threshold) AS threshold
+          FROM unnest(p_ticks) c WHERE c.fate IN ('running', 'skipped') GROUP BY c.key
+    ), locked AS (
+        SELECT j.job_key, j.job_name, j.consecutive_skips, j.skip_alerted
+          FROM scheduler_jobs j JOIN per_job p ON p.key = j.job_key
+         WHERE p.skips > 0 OR j.consecutive_skips > 0
+         ORDER BY j.job_key
+           FOR UPDATE OF j
+    ), updated AS (
+        UPDATE scheduler_jobs j
+           SET consecutive_skips = CASE WHEN p.ran THEN 0 ELSE l.consecutive_skips + p.skips END,
+               overrun_skips = j.overrun_skips + p.skips,
+               skip_alerted = j.skip_alerted
+                   OR (NOT p.ran AND l.consecutive_skips + p.skips >= p.threshold)
+          FROM locked l JOIN per_job p ON p.key = l.job_key
+         WHERE j.job_key = l.job_key
+        RETURNING j.job_key, l.job_name, l.consecutive_skips AS before, p.threshold,
+                  NOT l.skip_alerted AND j.skip_alerted AS alerting
+    ), skips AS (
+        SELECT c.key, c.tick, c.holder, c.holder_since, u.before + row_number()
+                   OVER (PARTITION BY c.key ORDER BY c.tick) AS streak, u.*
+          FROM unnest(p_ticks) c JOIN updated u ON u.job_key = c.key
+         WHERE c.fate = 'skipped'
+    ), alerts AS (
+        INSERT INTO scheduler_notices
+               (event, job_key, job_name, scheduled_at, facts, raised_by, raised_at,
+                lease_by, lease_until, next_attempt_at)
+        SELECT 'job.skips_exceeded', s.key, s.job_name, s.tick,
+               json_build_object(
+                   'consecutive_skips', s.streak, 'threshold', s.threshold,
+                   'holder', s.holder, 'holder_since', s.holder_since,
+                   'running_s', extract(epoch FROM now() - s.holder_since))::text,
+               p_instance, now(), p_instance, now() + interval '30 seconds', now()
+          FROM skips s
+         WHERE s.alerting AND s.streak = greatest(s.before + 1, s.threshold)
+        RETURNING id, scheduler_notices.job_key, scheduler_notices.scheduled_at
+    )
+    SELECT s.key, s.tick, s.streak::integer, a.id IS NOT NULL, a.id
+      FROM skips s LEFT JOIN alerts a ON a.job_key = s.key AND a.scheduled_at = s.tick
+    UNION ALL
+    SELECT u.job_key, NULL, u.before, false, NULL FROM updated u
+     WHERE u.job_key IN (SELECT c.key FROM unnest(p_ticks) c WHERE c.fate = 'running');
+END;
+$$;
+
+-- scheduler_claim: claim a batch of ticks, the steps above in order.
 --
--- For each tick, the primary key (job_key, scheduled_at) decides which replica
--- owns it: the first INSERT wins; every other replica gets no row for it, which
--- the caller reads as `lost`. The owner
--- then tries the job's advisory lock (lock_namespace, key):
---   got it   -> `run`; any other `running` row of the job is stale (its
---               replica died or lost the lock, which freed the lock): `crashed`.
---   held     -> `skipped`: the previous run is still going. The fleet-wide
---               streak grows by one; exactly one skip makes it reach the
---               threshold, and that one reports `alert`.
--- Which unclaimed ticks a replica tries at once (its share of the burst, at
--- most p_capacity runs: its free workers) is explained at the claim below.
--- A tick older than its grace (by the database clock, the same for every
--- replica) is recorded `missed` and never run. Intent `skip` (this replica
--- still runs the job) never asks for the lock: advisory locks stack.
-CREATE OR REPLACE FUNCTION scheduler_claim(
+-- Answers one row per tick this replica now owns (run, skipped, missed; manual: held or
+-- lost), and one `fleet` row, the summary of the rest: ticks sent and not answered are
+-- lost (another replica owns them), yielded (another live replica's share of a burst, to
+-- try again once anyone may take it: `mine` in scheduler_choose), or deferred (this
+-- replica's, beyond its free workers: after (deferred_after, deferred_key) in the common
+-- order). So the answer stays small however large the burst: about 100 bytes per tick
+-- this replica recorded. Bursts smaller than p_share_from ticks are not shared out.
+CREATE FUNCTION scheduler_claim(
     p_namespace  integer,
     p_instance   text,
     p_capacity   integer,
     p_takeover   double precision,
     p_share_from integer,
+    p_crashed    text,
     p_keys       integer[],
     p_names      text[],
     p_ticks      timestamptz[],
@@ -36,19 +316,22 @@ CREATE OR REPLACE FUNCTION scheduler_claim(
     p_graces     double precision[],
     p_thresholds integer[]
 ) RETURNS TABLE (
-    job_key           integer,
-    scheduled_at      timestamptz,
-    outcome           text,
-    run_id            bigint,
-    started_at        timestamptz,
-    holder            text,
-    holder_since      timestamptz,
-    consecutive_skips integer,
-    alert             boolean,
-    recovered         boolean,
-    crashed           integer,
-    live              integer,
-    rank              integer
+    job_key        integer,
+    scheduled_at   timestamptz,
+    outcome        text,
+    run_id         bigint,
+    started_at     timestamptz,
+    holder         text,
+    holder_since   timestamptz,
+    streak         integer,
+    alert          boolean,
+    notice         bigint,
+    crashed        integer,
+    live           integer,
+    rank           integer,
+    db_now         timestamptz,
+    deferred_after timestamptz,
+    deferred_key   integer
 ) LANGUAGE plpgsql
 -- The planner cannot know how many ticks a call carries and guesses a handful;
 -- its nested loops over them would make a burst of n ticks cost n^2.
@@ -56,350 +339,273 @@ SET enable_nestloop = off
 AS $$
 #variable_conflict use_column
 DECLARE
-    r record;
     v_live integer;
     v_rank integer;
-    v_won_keys integer[];
-    v_won_names text[];
-    v_won_ticks timestamptz[];
-    v_won_intents text[];
-    v_won_thresholds integer[];
-    v_won_run_ids bigint[];
-    v_won_started timestamptz[];
-    v_other_keys integer[];
-    v_other_ticks timestamptz[];
-    v_other_fates text[];
-    v_keys integer[] := '{}';
-    v_ticks timestamptz[] := '{}';
-    v_run_ids bigint[] := '{}';
-    v_started timestamptz[] := '{}';
+    v_ticks scheduler_tick[];
+    v_last scheduler_tick;
+    v_stale_keys integer[];
+    v_stale_counts integer[];
+    v_streak_keys integer[];
+    v_streak_ticks timestamptz[];
+    v_streak_values integer[];
+    v_streak_alerts boolean[];
+    v_streak_notices bigint[];
 BEGIN
-    -- The live replicas (see the claim below), reported with every row so that a
-    -- replica can leave other replicas' shares out of its next batch.
-    SELECT count(*)::integer, (count(*) FILTER (WHERE l.pid < pg_backend_pid()))::integer
-      INTO v_live, v_rank
-      FROM pg_locks l
-     WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ShareLock'
-       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-       AND l.classid = (p_namespace::bigint & 4294967295)::oid
-       AND l.objid = 0 AND l.objsubid = 2;
-    live := v_live;
-    rank := v_rank;
-    -- Manual runs (`scheduler trigger`) have a tick of their own: only the lock can stop them.
-    FOR r IN
-        SELECT q.key, q.name, q.tick
-          FROM unnest(p_keys, p_names, p_ticks, p_intents) AS q(key, name, tick, intent)
-         WHERE q.intent = 'manual'
-    LOOP
-        IF NOT pg_try_advisory_lock(p_namespace, r.key) THEN
-            RETURN QUERY
-            SELECT r.key, r.tick, 'held', NULL::bigint, NULL::timestamptz, t.instance,
-                   t.started_at, NULL::integer, false, false, 0, live, rank
-              FROM (SELECT NULL) AS one
-              LEFT JOIN LATERAL (
-                  SELECT t.instance, t.started_at FROM scheduler_ticks t
-                   WHERE t.job_key = r.key AND t.status = 'running'
-                   ORDER BY t.scheduled_at DESC LIMIT 1) AS t ON true;
-            CONTINUE;
-        END IF;
-        INSERT INTO scheduler_ticks AS t
-               (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual)
-        VALUES (r.key, r.tick, r.name, 'running', p_instance, nextval('scheduler_run_id'),
-                clock_timestamp(), true)
-        ON CONFLICT DO NOTHING
-        RETURNING t.run_id, t.started_at INTO run_id, started_at;
-        IF FOUND THEN
-            v_keys := v_keys || r.key;
-            v_ticks := v_ticks || r.tick;
-            v_run_ids := v_run_ids || run_id;
-            v_started := v_started || started_at;
-        ELSE
-            PERFORM pg_advisory_unlock(p_namespace, r.key);
-            RETURN QUERY SELECT r.key, r.tick, 'lost', NULL::bigint, NULL::timestamptz,
-                                NULL::text, NULL::timestamptz, NULL::integer, false, false, 0,
-                                live, rank;
-        END IF;
-    END LOOP;
-
-    -- Ticks past their grace: recorded `missed` (unless some replica has a row).
-    -- Ticks another replica owns are left out of the answer, here and below: the
-    -- caller takes a tick it sent and got no row for as `lost`. In a healthy
-    -- fleet that is most of the ticks a replica tries again after p_takeover.
-    RETURN QUERY
-    WITH late AS (
-        SELECT q.key, q.name, q.tick
-          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces)
-               AS q(key, name, tick, intent, grace)
-         WHERE q.intent <> 'manual' AND now() - q.tick > make_interval(secs => q.grace)
-    ), recorded AS (
-        INSERT INTO scheduler_ticks AS t (job_key, scheduled_at, job_name, status, instance)
-        SELECT late.key, late.tick, late.name, 'missed', p_instance
-          FROM late ORDER BY late.tick, late.key
-        ON CONFLICT DO NOTHING
-        RETURNING t.job_key, t.scheduled_at
-    )
-    SELECT recorded.job_key, recorded.scheduled_at, 'missed',
-           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::integer,
-           false, false, 0, live, rank
-      FROM recorded;
-
-    -- The claim: one INSERT for the ticks this replica tries to win now.
-    --
-    -- Replicas claim each burst of ticks at the same moment. Each live replica
-    -- (a session holding the shared presence lock (lock_namespace, 0)) first
-    -- tries its own share of the ticks, by a hash of the job key (Knuth's
-    -- multiplicative hash, which the replica can compute too), so that the
-    -- replicas insert different rows side by side instead of queueing behind
-    -- each other's uncommitted rows. A tick still unclaimed p_takeover seconds
-    -- after its time is tried by every replica: a share whose replica is frozen
-    -- or busy is not stranded. Other unclaimed ticks are `yielded`. Beyond
-    -- p_capacity runs (this replica's free workers), ticks are `deferred`.
-    -- (Bursts smaller than p_share_from ticks are not worth spreading: every
-    -- replica tries them all, and the others' tries cost no second round trip.)
-
-    IF cardinality(p_keys) < p_share_from THEN
-        v_live := 1;  -- every replica tries every tick (`live` still reports the fleet)
+    SELECT f.live, f.rank INTO v_live, v_rank FROM scheduler_fleet(p_namespace) f;
+    v_ticks := ARRAY(SELECT c FROM scheduler_choose(
+        p_capacity, p_takeover, CASE WHEN cardinality(p_keys) < p_share_from THEN 1 ELSE v_live END,
+        v_rank, p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds) c);
+    IF (SELECT count(*) FROM unnest(v_ticks) c WHERE c.intent = 'run' AND c.fate = 'running')
+       >= p_capacity THEN
+        -- This replica's ticks after this one were left for lack of free workers.
+        SELECT * INTO v_last FROM unnest(v_ticks) c WHERE c.intent = 'run' AND c.fate = 'running'
+         ORDER BY c.tick DESC, c.key DESC LIMIT 1;
     END IF;
-    WITH q AS (
-        SELECT q.key, q.name, q.tick, q.intent, q.threshold,
-               EXISTS (SELECT 1 FROM scheduler_ticks t
-                        WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken,
-               v_live <= 1 OR mod(mod(q.key::bigint * 2654435761, 4294967296), v_live) = v_rank
-                   OR now() - q.tick >= make_interval(secs => p_takeover) AS mine
-          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
-               AS q(key, name, tick, intent, grace, threshold)
-         WHERE q.intent IN ('run', 'skip')
-           AND now() - q.tick <= make_interval(secs => q.grace)
-    ), tried AS (
-        SELECT q.key, q.tick, q.name FROM q WHERE NOT q.taken AND q.intent = 'skip'
-        UNION ALL
-        (SELECT q.key, q.tick, q.name FROM q WHERE NOT q.taken AND q.intent = 'run' AND q.mine
-          ORDER BY q.tick, q.key LIMIT p_capacity)
-    ), won AS (
-        INSERT INTO scheduler_ticks AS t
-               (job_key, scheduled_at, job_name, status, instance, run_id, started_at)
-        SELECT tried.key, tried.tick, tried.name, 'running', p_instance,
-               nextval('scheduler_run_id'), clock_timestamp()
-          FROM tried ORDER BY tried.tick, tried.key
-        ON CONFLICT DO NOTHING
-        RETURNING t.job_key, t.scheduled_at, t.run_id, t.started_at
-    ), decided AS (
-        SELECT q.key, q.name, q.tick, q.intent, q.threshold, won.run_id, won.started_at,
-               CASE WHEN won.run_id IS NOT NULL THEN 'won'
-                    WHEN q.taken OR tried.key IS NOT NULL THEN 'lost'  -- another came first
-                    WHEN NOT q.mine THEN 'yielded'  -- another replica's share, for now
-                    ELSE 'deferred'  -- no free worker for it in this batch
-               END AS fate
-          FROM q
-          LEFT JOIN tried ON tried.key = q.key AND tried.tick = q.tick
-          LEFT JOIN won ON won.job_key = q.key AND won.scheduled_at = q.tick
-    )
-    SELECT array_agg(d.key ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.name ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.tick ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.intent ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.threshold ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.run_id ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.started_at ORDER BY d.tick, d.key) FILTER (WHERE d.fate = 'won'),
-           array_agg(d.key) FILTER (WHERE d.fate IN ('yielded', 'deferred')),
-           array_agg(d.tick) FILTER (WHERE d.fate IN ('yielded', 'deferred')),
-           array_agg(d.fate) FILTER (WHERE d.fate IN ('yielded', 'deferred'))
-      INTO v_won_keys, v_won_names, v_won_ticks, v_won_intents, v_won_thresholds,
-           v_won_run_ids, v_won_started, v_other_keys, v_other_ticks, v_other_fates
-      FROM decided d;
-
-    RETURN QUERY
-    SELECT o.key, o.tick, o.fate, NULL::bigint, NULL::timestamptz, NULL::text,
-           NULL::timestamptz, NULL::integer, false, false, 0, live, rank
-      FROM unnest(v_other_keys, v_other_ticks, v_other_fates) AS o(key, tick, fate);
-
-    -- The ticks this replica won: the lock decides run or skip (in the common order).
-    FOR r IN
-        SELECT * FROM unnest(v_won_keys, v_won_names, v_won_ticks, v_won_intents,
-                             v_won_thresholds, v_won_run_ids, v_won_started)
-                   AS w(key, name, tick, intent, threshold, run_id, started_at)
-    LOOP
-        IF r.intent = 'run' AND pg_try_advisory_lock(p_namespace, r.key) THEN
-            v_keys := v_keys || r.key;
-            v_ticks := v_ticks || r.tick;
-            v_run_ids := v_run_ids || r.run_id;
-            v_started := v_started || r.started_at;
-            CONTINUE;  -- returned below, with what its start changed
-        ELSE
-            job_key := r.key;
-            scheduled_at := r.tick;
-            run_id := NULL;
-            started_at := NULL;
-            holder := NULL;
-            holder_since := NULL;
-            recovered := false;
-            crashed := 0;
-            -- The previous run still holds the lock (on another replica, or on
-            -- this one: intent `skip`).
-            SELECT t.instance, t.started_at INTO holder, holder_since
-              FROM scheduler_ticks t
-             WHERE t.job_key = r.key AND t.status = 'running' AND t.scheduled_at <> r.tick
-             ORDER BY t.scheduled_at DESC LIMIT 1;
-            UPDATE scheduler_ticks t
-               SET status = 'skipped', run_id = NULL, started_at = NULL,
-                   holder = scheduler_claim.holder
-             WHERE t.job_key = r.key AND t.scheduled_at = r.tick;
-            INSERT INTO scheduler_jobs AS j
-                   (job_key, job_name, consecutive_skips, skip_alerted, tracked_since)
-            VALUES (r.key, r.name, 1, 1 >= r.threshold, now())
-            ON CONFLICT ON CONSTRAINT scheduler_jobs_pkey DO UPDATE
-               SET consecutive_skips = j.consecutive_skips + 1,
-                   skip_alerted = j.skip_alerted OR j.consecutive_skips + 1 >= r.threshold
-            RETURNING j.consecutive_skips INTO consecutive_skips;
-            alert := consecutive_skips = r.threshold;
-            outcome := 'skipped';
-        END IF;
-        RETURN NEXT;
-    END LOOP;
-
-    IF cardinality(v_keys) = 0 THEN
-        RETURN;
+    v_ticks := ARRAY(SELECT c FROM scheduler_lock_manual(p_namespace, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(p_instance, v_ticks) c);
+    PERFORM pg_advisory_unlock(p_namespace, c.key)  -- a manual run that lost its row
+       FROM unnest(v_ticks) c WHERE c.intent = 'manual' AND c.fate = 'lost';
+    v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
+    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN
+        v_ticks := ARRAY(SELECT c FROM scheduler_record_skips(v_ticks) c);
     END IF;
-    -- The runs. This replica now holds their locks, so every other `running` row
-    -- of those jobs belongs to a replica that died or lost the lock: `crashed`.
-    -- And each job's skip streak ends (one recovery notice if it had alerted);
-    -- consecutive_skips reports the length of the streak a run ends.
+    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'running') THEN
+        SELECT array_agg(s.key), array_agg(s.crashed) INTO v_stale_keys, v_stale_counts
+          FROM scheduler_crash_stale(v_ticks, p_crashed) s;
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate IN ('running', 'skipped')) THEN
+        SELECT array_agg(s.key), array_agg(s.tick), array_agg(s.streak), array_agg(s.alert),
+               array_agg(s.notice)
+          INTO v_streak_keys, v_streak_ticks, v_streak_values, v_streak_alerts, v_streak_notices
+          FROM scheduler_skip_streaks(p_instance, v_ticks) s;
+    END IF;
     RETURN QUERY
-    WITH runs AS (
-        SELECT * FROM unnest(v_keys, v_ticks, v_run_ids, v_started)
-                   AS x(key, tick, run_id, started)
+    WITH streaks AS (
+        SELECT * FROM unnest(v_streak_keys, v_streak_ticks, v_streak_values, v_streak_alerts,
+                             v_streak_notices) AS s(key, tick, streak, alert, notice)
     ), stale AS (
-        UPDATE scheduler_ticks t
-           SET status = 'crashed', finished_at = clock_timestamp(),
-               error = coalesce(t.error, 'replica lost its lock before the run finished')
-          FROM runs
-         WHERE t.job_key = runs.key AND t.status = 'running' AND t.scheduled_at <> runs.tick
-        RETURNING t.job_key
-    ), stale_per_job AS (
-        SELECT stale.job_key, count(*)::integer AS n FROM stale GROUP BY stale.job_key
-    ), streaks AS (
-        SELECT j.job_key, j.consecutive_skips AS ended, j.skip_alerted AS alerted
-          FROM scheduler_jobs j
-         WHERE j.job_key = ANY (v_keys) AND (j.consecutive_skips > 0 OR j.skip_alerted)
-         ORDER BY j.job_key
-           FOR UPDATE
-    ), reset AS (
-        UPDATE scheduler_jobs j SET consecutive_skips = 0, skip_alerted = false
-          FROM streaks WHERE j.job_key = streaks.job_key
-        RETURNING j.job_key
+        SELECT * FROM unnest(v_stale_keys, v_stale_counts) AS s(key, crashed)
     )
-    SELECT runs.key, runs.tick, 'run', runs.run_id, runs.started, NULL::text,
-           NULL::timestamptz, coalesce(streaks.ended, 0), false,
-           coalesce(streaks.alerted, false), coalesce(stale_per_job.n, 0), live, rank
-      FROM runs
-      LEFT JOIN streaks ON streaks.job_key = runs.key
-      LEFT JOIN stale_per_job ON stale_per_job.job_key = runs.key;
+    SELECT c.key, c.tick,
+           CASE c.fate WHEN 'running' THEN 'run' ELSE c.fate END,
+           c.run_id, c.started_at, c.holder, c.holder_since,
+           coalesce(sk.streak, ended.streak, 0), coalesce(sk.alert, false), sk.notice,
+           coalesce(st.crashed, 0), NULL::integer, NULL::integer, NULL::timestamptz,
+           NULL::timestamptz, NULL::integer
+      FROM unnest(v_ticks) c
+      LEFT JOIN streaks sk ON sk.key = c.key AND sk.tick = c.tick
+      LEFT JOIN streaks ended ON ended.key = c.key AND ended.tick IS NULL AND c.fate = 'running'
+      LEFT JOIN stale st ON st.key = c.key AND c.fate = 'running'
+     WHERE c.fate <> 'lost' OR c.intent = 'manual'
+    UNION ALL
+    SELECT NULL, NULL, 'fleet', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           v_live, v_rank, now(), v_last.tick, v_last.key;
+END;
+$$;
+
+-- A run's finish, on its way through scheduler_finish.
+CREATE TYPE scheduler_done AS (
+    key         integer,
+    tick        timestamptz,
+    run_id      bigint,
+    status      text,
+    error       text,
+    threshold   integer,
+    next_due    timestamptz,
+    finished_at timestamptz,
+    recorded    boolean,   -- this call recorded it now
+    repeated    boolean    -- an earlier call recorded it (its answer was lost)
+);
+
+-- Step 1. Record: a conditional update, in the common order. Only a row that is still
+-- `running` with this run_id is this run's: a stale run (its replica froze and lost the
+-- lock) finds its row already `crashed` and changes nothing. A finish sent again after a
+-- lost answer finds its own final status there, and says so (`repeated`).
+CREATE FUNCTION scheduler_record_finishes(
+    p_keys integer[], p_ticks timestamptz[], p_run_ids bigint[], p_statuses text[],
+    p_errors text[], p_told text[], p_durations double precision[],
+    p_thresholds integer[], p_next_dues timestamptz[]
+) RETURNS SETOF scheduler_done LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH f AS (
+        SELECT * FROM unnest(p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_told,
+                             p_durations, p_thresholds, p_next_dues)
+                   AS f(key, tick, run_id, status, error, told, duration, threshold, next_due)
+    ), mine AS (
+        -- Running rows are few (a partial index holds them): never a scan of the ledger.
+        SELECT r.job_key, r.scheduled_at
+          FROM scheduler_ticks r JOIN f ON r.job_key = f.key AND r.scheduled_at = f.tick
+         WHERE r.status = 'running' AND r.job_key = ANY (p_keys) AND r.run_id = f.run_id
+         ORDER BY r.scheduled_at, r.job_key
+           FOR UPDATE OF r
+    ), done AS (
+        UPDATE scheduler_ticks r
+           SET status = f.status, finished_at = clock_timestamp(), error = f.error,
+               told = f.told, duration_s = f.duration
+          FROM mine JOIN f ON f.key = mine.job_key AND f.tick = mine.scheduled_at
+         WHERE r.job_key = mine.job_key AND r.scheduled_at = mine.scheduled_at
+           AND r.status = 'running'
+        RETURNING r.job_key, r.scheduled_at, r.finished_at
+    )
+    SELECT x.key, x.tick, x.run_id, x.status, x.error, x.threshold, x.next_due,
+           x.finished_at, x.recorded, NOT x.recorded AND x.finished_at IS NOT NULL
+      FROM (SELECT f.*, done.job_key IS NOT NULL AS recorded,
+                   CASE WHEN done.job_key IS NOT NULL THEN done.finished_at ELSE (
+                       SELECT again.finished_at FROM scheduler_ticks again
+                        WHERE again.job_key = f.key AND again.scheduled_at = f.tick
+                          AND again.run_id = f.run_id AND again.status = f.status) END
+                       AS finished_at
+              FROM f LEFT JOIN done ON done.job_key = f.key AND done.scheduled_at = f.tick) x;
+END;
+$$;
+
+-- Step 2. Streaks, one pass over the jobs' rows in key order (only rows with something to
+-- change are locked). Failures grow the failure streak, which alerts once when it first
+-- reaches the threshold in force; a success ends it (one recovery notice if it had
+-- alerted). A run that ends before its job's next tick is due keeps up: it ends an
+-- overrun, and an overrun that had raised a skip alert gets its one recovery notice.
+CREATE FUNCTION scheduler_finish_streaks(p_instance text, p_done scheduler_done[])
+RETURNS TABLE (key integer, tick timestamptz, failures integer, alert boolean,
+                 recovered boolean, skips_recovered boolean, notices bigint[])
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
+    SELECT d.key, (SELECT r.job_name FROM scheduler_ticks r
+                    WHERE r.job_key = d.key AND r.scheduled_at = d.tick), now()
+      FROM unnest(p_done) d
+     WHERE d.recorded AND d.status = 'failed'
+     ORDER BY d.key
+    ON CONFLICT DO NOTHING;
+    RETURN QUERY
+    WITH d AS (
+        SELECT d.*, d.status IN ('succeeded', 'failed')
+                   AND (d.next_due IS NULL OR d.finished_at <= d.next_due) AS kept_up
+          FROM unnest(p_done) d
+         WHERE d.recorded
+    ), locked AS (
+        SELECT j.* FROM scheduler_jobs j
+         WHERE EXISTS (
+               SELECT 1 FROM d WHERE d.key = j.job_key
+                  AND (d.status = 'failed'
+                       OR (d.status = 'succeeded' AND (j.consecutive_failures > 0 OR j.fail_alerted))
+                       OR (d.kept_up AND (j.skip_alerted OR j.overrun_skips > 0))))
+         ORDER BY j.job_key
+           FOR UPDATE OF j
+    ), updated AS (
+        UPDATE scheduler_jobs j
+           SET consecutive_failures = CASE d.status WHEN 'failed' THEN l.consecutive_failures + 1
+                                                  WHEN 'succeeded' THEN 0
+                                                  ELSE l.consecutive_failures END,
+               fail_alerted = CASE d.status
+                   WHEN 'failed' THEN l.fail_alerted OR l.consecutive_failures + 1 >= d.threshold
+                   WHEN 'succeeded' THEN false ELSE l.fail_alerted END,
+               skip_alerted = l.skip_alerted AND NOT d.kept_up,
+               overrun_skips = CASE WHEN d.kept_up THEN 0 ELSE l.overrun_skips END
+          FROM locked l JOIN d ON d.key = l.job_key
+         WHERE j.job_key = l.job_key
+        RETURNING j.job_key, d.tick, d.status, d.threshold, d.run_id, d.error, l.job_name,
+                  j.consecutive_failures AS failures,
+                  l.consecutive_failures AS failures_before,
+                  d.status = 'failed' AND NOT l.fail_alerted AND j.fail_alerted AS fail_alert,
+                  d.status = 'succeeded' AND l.fail_alerted AS fail_recovered,
+                  d.kept_up AND l.skip_alerted AS skips_recovered,
+                  l.overrun_skips
+    ), notices AS (
+        INSERT INTO scheduler_notices
+               (event, job_key, job_name, scheduled_at, facts, raised_by, raised_at,
+                lease_by, lease_until, next_attempt_at)
+        SELECT e.event, u.job_key, u.job_name, u.tick, e.facts::text, p_instance, now(),
+               p_instance, now() + interval '30 seconds', now()
+          FROM updated u
+          CROSS JOIN LATERAL (VALUES
+              ('job.failures_exceeded', u.fail_alert, json_build_object(
+                  'consecutive_failures', u.failures, 'threshold', u.threshold,
+                  'instance', p_instance, 'run_id', u.run_id, 'error', u.error)),
+              ('job.failures_recovered', u.fail_recovered, json_build_object(
+                  'consecutive_failures', u.failures_before, 'instance', p_instance,
+                  'run_id', u.run_id)),
+              ('job.recovered', u.skips_recovered, json_build_object(
+                  'consecutive_skips', u.overrun_skips, 'instance', p_instance,
+                  'run_id', u.run_id))
+          ) AS e(event, due, facts)
+         WHERE e.due
+        RETURNING id, scheduler_notices.job_key
+    )
+    SELECT d.key, d.tick,
+           CASE d.status WHEN 'failed' THEN coalesce(u.failures, 1)
+                         WHEN 'succeeded' THEN coalesce(u.failures_before, 0) END,
+           coalesce(u.fail_alert, false), coalesce(u.fail_recovered, false),
+           coalesce(u.skips_recovered, false),
+           coalesce((SELECT array_agg(n.id ORDER BY n.id) FROM notices n
+                      WHERE n.job_key = d.key), '{}')
+      FROM d LEFT JOIN updated u ON u.job_key = d.key;
 END;
 $$;
 
 -- scheduler_finish: record finished runs, then release their locks.
 --
--- The update is conditional: only a row that is still `running` with this
--- run_id is ours. A stale run (its replica froze and lost the lock) finds its
--- row already `crashed` and changes nothing. The rows are updated before the
--- locks are released, so a replica that takes a lock next and looks for stale
--- `running` rows waits for this transaction and then sees the final status.
--- consecutive_failures: for a failure, the streak so far; for a success, the
--- length of the streak it ends.
-CREATE OR REPLACE FUNCTION scheduler_finish(
+-- The rows are updated (and row-locked) before the locks are released, so a replica that
+-- takes a lock next and looks for stale `running` rows waits for this transaction and
+-- then sees the final status. `failures`: for a failure, the streak so far; for a success,
+-- the length of the streak it ends.
+CREATE FUNCTION scheduler_finish(
     p_namespace  integer,
+    p_instance   text,
     p_keys       integer[],
     p_ticks      timestamptz[],
     p_run_ids    bigint[],
     p_statuses   text[],
     p_errors     text[],
+    p_told       text[],
+    p_durations  double precision[],
     p_unlocks    boolean[],
-    p_thresholds integer[]
+    p_thresholds integer[],
+    p_next_dues  timestamptz[]
 ) RETURNS TABLE (
-    job_key              integer,
-    scheduled_at         timestamptz,
-    recorded             boolean,
-    finished_at          timestamptz,
-    consecutive_failures integer,
-    alert                boolean,
-    recovered            boolean
+    job_key         integer,
+    scheduled_at    timestamptz,
+    recorded        boolean,
+    finished_at     timestamptz,
+    failures        integer,
+    alert           boolean,
+    recovered       boolean,
+    skips_recovered boolean,
+    notices         bigint[]
 ) LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    r record;
+    v_done scheduler_done[];
     v_keys integer[];
     v_ticks timestamptz[];
-    v_statuses text[];
-    v_thresholds integer[];
-    v_finished timestamptz[];
+    v_failures integer[];
+    v_alerts boolean[];
+    v_recovered boolean[];
+    v_skips_recovered boolean[];
+    v_notices text[];
 BEGIN
-    WITH done AS (
-        UPDATE scheduler_ticks t
-           SET status = f.status, finished_at = clock_timestamp(), error = f.error
-          FROM unnest(p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_thresholds)
-               AS f(key, tick, run_id, status, error, threshold)
-         WHERE t.job_key = f.key AND t.scheduled_at = f.tick
-           AND t.run_id = f.run_id AND t.status = 'running'
-        RETURNING t.job_key, t.scheduled_at, t.status, f.threshold, t.finished_at
-    )
-    SELECT coalesce(array_agg(done.job_key), '{}'), coalesce(array_agg(done.scheduled_at), '{}'),
-           coalesce(array_agg(done.status), '{}'), coalesce(array_agg(done.threshold), '{}'),
-           coalesce(array_agg(done.finished_at), '{}')
-      INTO v_keys, v_ticks, v_statuses, v_thresholds, v_finished
-      FROM done;
-
-    -- Failures grow the job's streak; exactly one makes it reach the threshold.
-    FOR r IN
-        SELECT * FROM unnest(v_keys, v_ticks, v_statuses, v_thresholds, v_finished)
-                   AS d(key, tick, status, threshold, finished)
-         WHERE d.status = 'failed' ORDER BY d.key
-    LOOP
-        INSERT INTO scheduler_jobs AS j
-               (job_key, job_name, consecutive_failures, fail_alerted, tracked_since)
-        SELECT r.key, t.job_name, 1, 1 >= r.threshold, now()
-          FROM scheduler_ticks t WHERE t.job_key = r.key AND t.scheduled_at = r.tick
-        ON CONFLICT ON CONSTRAINT scheduler_jobs_pkey DO UPDATE
-           SET consecutive_failures = j.consecutive_failures + 1,
-               fail_alerted = j.fail_alerted OR j.consecutive_failures + 1 >= r.threshold
-        RETURNING j.consecutive_failures INTO consecutive_failures;
-        RETURN QUERY SELECT r.key, r.tick, true, r.finished, consecutive_failures,
-                            consecutive_failures = r.threshold, false;
-    END LOOP;
-
-    -- Successes end the streak (one recovery notice if it had alerted).
-    RETURN QUERY
-    WITH ok AS (
-        SELECT * FROM unnest(v_keys, v_ticks, v_statuses, v_finished)
-                   AS d(key, tick, status, finished)
-         WHERE d.status <> 'failed'
-    ), streaks AS (
-        SELECT j.job_key, j.consecutive_failures AS ended, j.fail_alerted AS alerted
-          FROM scheduler_jobs j
-         WHERE j.job_key IN (SELECT ok.key FROM ok WHERE ok.status = 'succeeded')
-           AND (j.consecutive_failures > 0 OR j.fail_alerted)
-         ORDER BY j.job_key
-           FOR UPDATE
-    ), reset AS (
-        UPDATE scheduler_jobs j SET consecutive_failures = 0, fail_alerted = false
-          FROM streaks WHERE j.job_key = streaks.job_key
-        RETURNING j.job_key
-    )
-    SELECT ok.key, ok.tick, true, ok.finished,
-           CASE WHEN ok.status = 'succeeded' THEN coalesce(streaks.ended, 0) END,
-           false, ok.status = 'succeeded' AND coalesce(streaks.alerted, false)
-      FROM ok LEFT JOIN streaks ON streaks.job_key = ok.key;
-
-    -- Runs whose row was no longer theirs (marked crashed while they ran).
-    RETURN QUERY
-    SELECT f.key, f.tick, false, NULL::timestamptz, NULL::integer, false, false
-      FROM unnest(p_keys, p_ticks) AS f(key, tick)
-     WHERE NOT EXISTS (SELECT 1 FROM unnest(v_keys, v_ticks) AS d(key, tick)
-                        WHERE d.key = f.key AND d.tick = f.tick);
-
+    v_done := ARRAY(SELECT d FROM scheduler_record_finishes(
+        p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_told, p_durations,
+        p_thresholds, p_next_dues) d);
+    SELECT array_agg(s.key), array_agg(s.tick), array_agg(s.failures), array_agg(s.alert),
+           array_agg(s.recovered), array_agg(s.skips_recovered), array_agg(s.notices::text)
+      INTO v_keys, v_ticks, v_failures, v_alerts, v_recovered, v_skips_recovered, v_notices
+      FROM scheduler_finish_streaks(p_instance, v_done) s;
     -- Only now release the locks: the rows above are updated (and row-locked).
     PERFORM pg_advisory_unlock(p_namespace, u.key)
        FROM unnest(p_keys, p_unlocks) AS u(key, unlock)
       WHERE u.unlock
       ORDER BY u.key;
+    RETURN QUERY
+    SELECT d.key, d.tick, d.recorded OR d.repeated, d.finished_at, s.failures,
+           coalesce(s.alert, false), coalesce(s.recovered, false),
+           coalesce(s.skips_recovered, false), coalesce(s.notices::bigint[], '{}')
+      FROM unnest(v_done) d
+      LEFT JOIN unnest(v_keys, v_ticks, v_failures, v_alerts, v_recovered, v_skips_recovered,
+                       v_notices) AS s(key, tick, failures, alert, recovered, skips_recovered,
+                                       notices)
+        ON s.key = d.key AND s.tick = d.tick;
 END;
 $$;

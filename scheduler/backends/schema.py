@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from importlib import resources
 
-from sqlalchemy import Connection, func, insert, select, text
+from sqlalchemy import Connection, MetaData, func, insert, inspect, select, text
 
 from scheduler import ledger
 
@@ -20,7 +20,8 @@ MIGRATION_LOCK_KEY = -1  # (lock_namespace, -1); job keys are 1..2147483647
 
 
 def _v1_tables(conn: Connection) -> None:
-    ledger.metadata.create_all(conn, checkfirst=True)
+    v1 = [ledger.ticks, ledger.jobs, ledger.maintenance, ledger.schema_version, ledger.counters]
+    ledger.metadata.create_all(conn, tables=v1, checkfirst=True)
     conn.execute(ledger.RUNNING_INDEX)
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     conn.execute(
@@ -32,33 +33,114 @@ def _v1_tables(conn: Connection) -> None:
 
 
 def _functions(conn: Connection) -> None:
-    """(Re)create the gate's SQL functions; each version that changes them runs this."""
+    """(Re)create the gate's SQL functions; each version that changes them runs this.
+
+    Every function and type of ours is dropped first: a changed signature would
+    otherwise leave the old function beside the new one.
+    """
     if conn.dialect.name != "postgresql":
         return
+    conn.exec_driver_sql(
+        """
+        DO $$
+        DECLARE
+            f regprocedure;
+        BEGIN
+            FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+                      WHERE p.pronamespace = current_schema()::regnamespace
+                        AND left(p.proname, 10) = 'scheduler_'
+            LOOP
+                EXECUTE 'DROP FUNCTION ' || f || ' CASCADE';
+            END LOOP;
+        END $$;
+        DROP TYPE IF EXISTS scheduler_tick, scheduler_done CASCADE;
+        """
+    )
     body = resources.files("scheduler.backends").joinpath("postgres.sql").read_text()
     conn.exec_driver_sql(body)
 
 
+def _v3_notices_and_told(conn: Connection) -> None:
+    """The outbox, registrations, what a run was told and its own duration, two statuses."""
+    ledger.notices.create(conn, checkfirst=True)
+    ledger.registrations.create(conn, checkfirst=True)
+    conn.execute(ledger.PENDING_NOTICES_INDEX)
+    columns = (
+        ("scheduler_ticks", "told", "TEXT"),
+        ("scheduler_ticks", "duration_s", "DOUBLE PRECISION"),
+        ("scheduler_jobs", "overrun_skips", "INTEGER NOT NULL DEFAULT 0"),
+    )
+    found = inspect(conn)
+    for table, column, kind in columns:
+        if column not in {c["name"] for c in found.get_columns(table)}:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            "ALTER TABLE scheduler_ticks DROP CONSTRAINT scheduler_ticks_status,"
+            f" ADD CONSTRAINT scheduler_ticks_status CHECK ({ledger.STATUS_CHECK}) NOT VALID"
+        )
+        conn.exec_driver_sql(
+            "ALTER TABLE scheduler_ticks VALIDATE CONSTRAINT scheduler_ticks_status"
+        )
+    else:
+        made = conn.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'scheduler_ticks'"
+        ).scalar_one()
+        if "'paused'" not in made:
+            _rebuild_sqlite_ticks(conn)
+
+
+def _rebuild_sqlite_ticks(conn: Connection) -> None:
+    """SQLite cannot change a CHECK constraint: copy the rows into a table made anew."""
+    conn.exec_driver_sql("ALTER TABLE scheduler_ticks RENAME TO scheduler_ticks_old")
+    conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_scheduled_at")
+    conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_running")
+    fresh = MetaData()
+    ledger.ticks.to_metadata(fresh).create(conn)
+    names = ", ".join(column.name for column in ledger.ticks.columns)
+    conn.exec_driver_sql(
+        f"INSERT INTO scheduler_ticks ({names}) SELECT {names} FROM scheduler_ticks_old"
+    )
+    conn.exec_driver_sql("DROP TABLE scheduler_ticks_old")
+    conn.execute(ledger.RUNNING_INDEX)
+
+
+def _v2_lean_claims(conn: Connection) -> None:
+    """v2 changed only the SQL functions (claims leave other replicas' ticks out)."""
+
+
+# Each step brings the tables from the version before to its own; the SQL functions
+# are then installed once, as they are today, whenever any step ran.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1_tables),
-    (2, _functions),  # v2: claims leave ticks owned by other replicas out of the answer
+    (2, _v2_lean_claims),
+    (3, _v3_notices_and_told),
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 
 
-def migrate(conn: Connection, namespace: int) -> int:
-    """Bring the schema to CURRENT_VERSION; returns the version found before."""
+def migrate(conn: Connection, namespace: int, schema: str = "public") -> int:
+    """Bring the schema to CURRENT_VERSION; returns the version found before.
+
+    PostgreSQL: the fleet's schema (a validated name) is created if missing;
+    the session's search_path already points there.
+    """
     with conn.begin():
         if conn.dialect.name == "postgresql":
             conn.execute(
                 text("SELECT pg_advisory_xact_lock(:ns, :key)"),
                 {"ns": namespace, "key": MIGRATION_LOCK_KEY},
             )
+            if not conn.execute(
+                text("SELECT 1 FROM pg_namespace WHERE nspname = :schema"), {"schema": schema}
+            ).first():
+                conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
         found = _version(conn)
         for version, step in MIGRATIONS:
             if version > found:
                 step(conn)
         if found < CURRENT_VERSION:
+            _functions(conn)
             conn.execute(
                 insert(ledger.schema_version).values(
                     version=CURRENT_VERSION, applied_at=datetime.now(UTC)

@@ -1,0 +1,682 @@
+"""The gate: every tick of every job passes here, and runs on exactly one replica.
+
+This is the whole protocol, told once; the backends implement its steps under
+the names given here (PostgreSQL: `backends/postgres.sql`; one host:
+`backends/embedded.py`).
+
+1. APScheduler fires tick T of job J on every replica. T is the scheduled
+   time, computed identically everywhere (`scheduler.schedules`); it is the
+   tick's identity, never "now". The tick waits in the queue (`ticks.py`)
+   until the dispatcher thread, which alone talks to the backend, claims
+   every waiting tick in one round trip.
+2. Claim (`scheduler_claim`):
+   - choose: a tick past its misfire grace (by the database clock, the same for
+     every replica) is recorded `missed`; a burst is shared out, each live
+     replica trying its own share first (a tick still unclaimed a moment
+     later is anyone's); a replica tries at most as many runs as it has free
+     workers (the rest are `deferred`, for later or for another replica).
+   - insert: the tick's row (J.key, T). Its primary key lets exactly one
+     replica win; the others are told `lost` and are done. This is what makes
+     a tick run once when clocks are skewed or a job finishes in a
+     millisecond: a lock alone is free again by the time a slow replica's
+     trigger fires.
+   - take locks: the winner tries J's advisory lock (lock_namespace, J.key).
+     Got it: the run starts. Held: the previous run is still going, and T is
+     recorded `skipped`, once for the fleet (`record skips`).
+   - crash stale runs: with J's lock in hand, any other `running` row of J is
+     stale (its replica died, which freed the lock): it is marked `crashed`.
+   - skip streaks: a run ends J's streak of skipped ticks, a skip grows it;
+     the streak alerts once when it reaches the threshold in force, and the
+     alert stays raised until a run keeps up again.
+   A replica never asks for a lock it holds (advisory locks stack within a
+   session): a tick of a job it is still running is claimed with intent
+   `skip`, and recorded skipped without touching the lock.
+3. The run executes on a worker thread with a `RunContext`; `ctx.stopping`
+   is set when the daemon shuts down, `ctx.lock_lost` the moment this replica
+   can no longer prove it holds the lock.
+4. Finish (`scheduler_finish`): the run's row is updated only if it is still
+   `running` with this run_id (a stale run never overwrites what replaced
+   it); the failure streak and the skip overrun are settled; then the lock is
+   released. Notices (alerts, recoveries) are written in the same
+   transaction as the state change they announce (`scheduler.notices`).
+5. The lock session (`session.py`): the server ends it if this replica goes
+   quiet for `holder_timeout` (frozen, cut off), so its locks pass to others.
+   A margin earlier, every local run's `ctx.lock_lost` is set, then the
+   session is dropped and a new one opened with backoff. Only a broken
+   connection loses the session: a statement the server cut short (a lock or
+   statement timeout, a deadlock) fails that claim or finish, which is tried
+   again, with every lock kept. No backend error ever ends the daemon.
+
+Rows are locked in one global order in every statement (see postgres.sql),
+so claims, finishes and sweeps never deadlock. Time is passed in (`clock`,
+`monotonic`), so this logic can be driven in tests without sleeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import selectors
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from scheduler import events
+from scheduler.backends.base import (
+    Backend,
+    ClaimRequest,
+    ClaimResult,
+    FinishRequest,
+    FinishResult,
+    Intent,
+    Outcome,
+    SessionLost,
+)
+from scheduler.catalog import CatalogJob
+from scheduler.context import RunContext
+from scheduler.gate.session import Backoff, Generation, LockSession
+from scheduler.gate.ticks import Batch, Running, TickQueue
+from scheduler.runner import execute
+from scheduler.schedules import tick_after
+from scheduler.statuses import CRASHED_AT_SHUTDOWN, Status, Told
+from scheduler.text import storable
+from scheduler.workers import Workers
+
+log = logging.getLogger("scheduler.gate")
+
+YIELDED_RETRY = 0.1  # seconds before trying a tick left to another replica's share
+PLACEHOLDER_ERROR = "(the job's error text could not be stored: {reason})"
+
+Clock = Callable[[], datetime]
+Monotonic = Callable[[], float]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
+    return ClaimRequest(
+        key=job.key,
+        name=job.name,
+        scheduled_at=tick,
+        intent=intent,
+        grace_s=job.misfire_grace.total_seconds(),
+        skip_threshold=job.skip_threshold,
+    )
+
+
+@dataclass
+class Run:
+    """A run executing on this replica."""
+
+    job: CatalogJob
+    ctx: RunContext
+    generation: Generation  # of the session that took the lock; the lock is gone with it
+    started: float  # monotonic
+    manual: Future[ManualResult] | None = None
+    ended: Ending | None = None  # set when the job has returned (or was given up)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a run ended, as the finish records it."""
+
+    status: Status
+    error: str | None
+    duration_s: float
+    told: str | None
+
+
+@dataclass(frozen=True)
+class ManualResult:
+    outcome: Outcome
+    status: Status | None = None
+    error: str | None = None
+    run_id: int | None = None
+    holder: str | None = None
+
+
+class Gate:
+    """Decides, for each tick this replica sees, whether it runs here; and runs it."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        instance: str,
+        max_workers: int,
+        holder_timeout: float,
+        listeners: Sequence[events.Listener] = (),
+        clock: Clock = utc_now,
+        monotonic: Monotonic = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.instance = instance
+        self.max_workers = max_workers
+        self.holder_timeout = holder_timeout
+        self.listeners = list(listeners)
+        self.clock = clock
+        self.monotonic = monotonic
+        self.session = LockSession(
+            backend,
+            holder_timeout,
+            monotonic,
+            on_told=self._told,
+            on_up=lambda: self._emit(events.SessionUp(self.instance, backend.name)),
+        )
+        self.queue = TickQueue(monotonic)
+        self._mutex = threading.Lock()  # runs, finishes, manual requests
+        self._runs: dict[int, Run] = {}  # job key -> run executing here
+        self._finished: list[Run] = []  # runs that ended, their finish not recorded yet
+        self._manual: list[tuple[CatalogJob, datetime, Future[ManualResult]]] = []
+        self._stopping_runs = threading.Event()  # one per daemon: every run shares it
+        self._stepping = threading.Lock()  # held by the dispatcher for each step
+        self._stopped = threading.Event()
+        self._paused_until = 0.0  # after a finish that failed for another reason than the session
+        self._workers = Workers(max_workers)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._last_loop = monotonic()
+
+    # -- the outside world -----------------------------------------------------------
+
+    def submit(self, job: CatalogJob, scheduled_at: datetime) -> None:
+        """Queue a tick fired by APScheduler (any thread)."""
+        self.submit_all((job,), scheduled_at)
+
+    def submit_all(self, jobs: Sequence[CatalogJob], scheduled_at: datetime) -> None:
+        """Queue the same tick of several jobs (jobs on one schedule fire together)."""
+        if self.queue.add(jobs, scheduled_at):
+            self._wake()
+
+    @contextlib.contextmanager
+    def burst(self) -> Iterator[None]:
+        """Ticks submitted inside are claimed together, once the burst is complete."""
+        with self.queue.burst():
+            yield
+        self._wake()
+
+    def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
+        """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
+        result: Future[ManualResult] = Future()
+        now = self.clock()
+        tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
+        with self._mutex:
+            self._manual.append((job, tick, result))
+        self._wake()
+        deadline = None if timeout is None else self.monotonic() + timeout
+        while not result.done():  # awake every second for a signal's handler (Daemon.run)
+            left = 1.0 if deadline is None else min(1.0, deadline - self.monotonic())
+            if left <= 0:
+                return ManualResult(Outcome.LOST, error="timed out")
+            with contextlib.suppress(TimeoutError):
+                result.result(timeout=left)
+        return result.result()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="gate", daemon=True)
+        self._watchdog = threading.Thread(
+            target=self.session.watch, args=(self._stopped, self._wake), name="gate-watchdog"
+        )
+        self._watchdog.daemon = True
+        self._thread.start()
+        self._watchdog.start()
+
+    def running_jobs(self) -> list[str]:
+        with self._mutex:
+            return [run.job.name for run in self._runs.values()]
+
+    @property
+    def connected(self) -> bool:
+        return self.session.connected
+
+    def alive(self) -> bool:
+        """The dispatcher loop turns: it wakes at least every heartbeat or reconnect delay."""
+        thread = self._thread
+        stalled = self.monotonic() - self._last_loop > 2 * self.holder_timeout + 10
+        return thread is not None and thread.is_alive() and not stalled
+
+    def stop(self, grace: float) -> list[str]:
+        """Start nothing new, tell runs to stop, wait up to `grace`, release every lock.
+
+        Returns the jobs still running when the grace ran out. Those runs are
+        told their lock is lost first, then recorded `crashed` without releasing
+        their locks: the caller must end the process at once, and the locks go
+        with its session (no other replica may start a job while its run here
+        still goes on believing it holds the lock).
+        """
+        self.queue.close()
+        with self._stepping, self._mutex:  # a claim on its way may still start runs
+            runs = list(self._runs.values())
+        self._stopping_runs.set()
+        deadline = self.monotonic() + grace
+        if runs:
+            self._workers.wait(timeout=max(0.0, deadline - self.monotonic()))
+        self._flush_finishes(deadline)
+        with self._mutex:
+            abandoned = [run for run in self._runs.values() if run.ended is None]
+        if abandoned:
+            self.session.tell("still running when shutdown_grace ran out")
+            for run in abandoned:
+                self._ended(run, Status.CRASHED, CRASHED_AT_SHUTDOWN.format(grace=grace))
+        self._flush_finishes(self.monotonic() + max(5.0, self.session.heartbeat_every))
+        self._stopped.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if not abandoned:
+            self.backend.close()
+            self._workers.shutdown()
+        return [run.job.name for run in abandoned]
+
+    def _flush_finishes(self, deadline: float) -> None:
+        while self.monotonic() < deadline:
+            with self._mutex:
+                if not self._finished and not any(run.ended for run in self._runs.values()):
+                    return
+            self._wake()
+            self._stopped.wait(0.02)
+
+    # -- the dispatcher thread -------------------------------------------------------
+
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        watched: tuple[int, int] | None = None  # (session, socket) being watched
+        while not self._stopped.is_set():
+            self._last_loop = self.monotonic()
+            fd = self.backend.fileno() if self.session.connected else None
+            current = (self.session.opened, fd) if fd is not None else None
+            if current != watched:
+                if watched is not None:
+                    selector.unregister(watched[1])  # tolerates a closed socket
+                if current is not None:
+                    selector.register(current[1], selectors.EVENT_READ)
+                watched = current
+            try:
+                for key, _ in selector.select(self._wait_time()):
+                    if key.fd == self._wake_r:
+                        self._drain_wake()
+                self.step()
+            except Exception:
+                log.exception("gate loop error (continuing)")
+                self._stopped.wait(0.5)
+        selector.close()
+
+    def _wait_time(self) -> float:
+        wait = self.session.wait_time()
+        if not self.session.connected:
+            return wait
+        now = self.monotonic()
+        if now < self._paused_until:
+            wait = min(wait, self._paused_until - now)
+        with self._mutex:
+            if self._finished or self._manual:
+                return 0.0
+        due = self.queue.next_due(self._free_slots())
+        if due is not None:
+            wait = min(wait, max(0.0, due - now))
+        return wait
+
+    def step(self) -> None:
+        """One pass: connect if needed, record finished runs, claim queued ticks, heartbeat."""
+        with self._stepping:
+            self._step()
+
+    def _step(self) -> None:
+        session = self.session
+        if not session.ensure():
+            return
+        if self._server_said_something():
+            self._guard(session.check_socket)
+        if session.in_doubt():
+            session.lose("no round trip succeeded within holder_timeout")
+            return
+        if self.monotonic() >= self._paused_until:
+            self._guard(self._record_finishes)
+        self._guard(self._claim_manual)
+        self._guard(self._claim_queued)
+        if session.heartbeat_due():
+            self._guard(lambda: session.round_trip(self.backend.heartbeat))
+
+    def _server_said_something(self) -> bool:
+        """Between our calls the server only speaks to end the session (or to notify)."""
+        fd = self.backend.fileno()
+        return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+    def _guard(self, action: Callable[[], None]) -> None:
+        """A failed session loses every lock; any other backend error is handled by `action`."""
+        if not self.session.connected:
+            return
+        try:
+            action()
+        except SessionLost as exc:
+            self.session.lose(str(exc))
+
+    def _told(self, generation: int, reason: str, first: bool) -> None:
+        """The runs of `generation` were told their lock is lost (LockSession.tell)."""
+        with self._mutex:
+            told = [r.job.name for r in self._runs.values() if r.generation.number == generation]
+        if first or told:
+            self._emit(events.SessionLost(self.instance, reason, tuple(told)))
+
+    # -- claims ----------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        with self._mutex:
+            return self.max_workers - len(self._runs)
+
+    def _running(self, key: int) -> Running:
+        run = self._runs.get(key)
+        if run is None:
+            return Running.NOT
+        return Running.LOST if run.generation.lock_lost.is_set() else Running.HERE
+
+    def _claim_queued(self) -> None:
+        """Claim the queued ticks: the healthy ones in one round trip, failed ones apart."""
+        with self._mutex:
+            batches = self.queue.take(self.max_workers - len(self._runs), self._running)
+        for batch in batches:
+            self._claim_batch(batch)
+
+    def _claim_batch(self, batch: Batch) -> None:
+        requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
+        capacity = self._free_slots()
+        try:
+            results = self._claim(requests, capacity)
+        except SessionLost:
+            self.queue.put_back(batch.entries)
+            raise
+        except Exception as exc:
+            log.warning("claiming %d tick(s) failed (%s); trying again shortly", len(requests), exc)
+            self.queue.put_back(batch.entries, failed=True)
+            return
+        jobs = {job.key: job for job, _, _ in batch.requests}
+        # Start the runs before any bookkeeping: their lateness is what counts.
+        self._start_runs([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN])
+        for result in results:
+            job = jobs[result.key]
+            if result.outcome is Outcome.DEFERRED:  # tried again when a worker frees
+                self.queue.requeue(job, result.scheduled_at)
+            elif result.outcome is Outcome.YIELDED:  # tried again once anyone may take it
+                self.queue.requeue(job, result.scheduled_at, delay=YIELDED_RETRY)
+            elif result.outcome is not Outcome.RUN:
+                self._report_claim(job, result)
+
+    def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
+        """One round trip; a failed claim may leave locks it took (they outlive rollbacks)."""
+        try:
+            results = self.session.round_trip(
+                lambda: self.backend.claim(requests, self.instance, capacity)
+            )
+        except SessionLost:
+            raise
+        except Exception:
+            keys = [r.key for r in requests if r.intent in (Intent.RUN, Intent.MANUAL)]
+            if keys:
+                try:
+                    self.session.round_trip(lambda: self.backend.release(keys))
+                except SessionLost:
+                    raise
+                except Exception as exc:
+                    raise SessionLost(f"cannot release locks after a failed claim: {exc}") from exc
+            raise
+        assert isinstance(results, list)
+        return results
+
+    def _claim_manual(self) -> None:
+        with self._mutex:
+            manual, self._manual = self._manual, []
+        for job, tick, result in manual:
+            if job.key in self._runs:
+                result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
+                continue
+            try:
+                (claimed,) = self._claim([claim_request(job, tick, Intent.MANUAL)], capacity=1)
+            except SessionLost:
+                with self._mutex:
+                    self._manual.append((job, tick, result))
+                raise
+            except Exception as exc:
+                result.set_result(ManualResult(Outcome.LOST, error=str(exc)))
+                continue
+            if claimed.outcome is Outcome.RUN:
+                self._start_runs([(job, claimed)], manual=result)
+            else:
+                result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
+                self._report_claim(job, claimed)
+
+    def _report_claim(self, job: CatalogJob, result: ClaimResult) -> None:
+        if result.outcome is Outcome.SKIPPED:
+            self._emit(
+                events.TickSkipped(
+                    job=job.name,
+                    key=job.key,
+                    scheduled_at=result.scheduled_at,
+                    instance=self.instance,
+                    holder=result.holder,
+                    holder_since=result.holder_since,
+                    consecutive_skips=result.consecutive_skips or 0,
+                    threshold=job.skip_threshold,
+                    alert=result.alert,
+                    notices=result.notices,
+                )
+            )
+        elif result.outcome is Outcome.MISSED:
+            self._emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))
+
+    # -- runs ------------------------------------------------------------------------
+
+    def _start_runs(
+        self,
+        won: list[tuple[CatalogJob, ClaimResult]],
+        manual: Future[ManualResult] | None = None,
+    ) -> None:
+        """Hand the runs to workers; each worker reports its own start.
+
+        Everything a run needs is prepared first and the hand-over is one
+        tight loop: a worker woken early competes with the dispatcher for the
+        interpreter, and would otherwise slow the start of the rest of a burst.
+        """
+        if not won:
+            return
+        generation, now = self.session.generation, self.monotonic()
+        ready = [self._prepare(job, result, generation, now, manual) for job, result in won]
+        with self._mutex:
+            for run, _ in ready:
+                self._runs[run.job.key] = run
+        run_one = self._execute
+        self._workers.submit_all([(run_one, (run, started)) for run, started in ready])
+
+    def _prepare(
+        self,
+        job: CatalogJob,
+        result: ClaimResult,
+        generation: Generation,
+        now: float,
+        manual: Future[ManualResult] | None,
+    ) -> tuple[Run, events.RunStarted]:
+        assert result.run_id is not None
+        ctx = RunContext(
+            job_name=job.name,
+            key=job.key,
+            scheduled_at=result.scheduled_at,
+            instance=self.instance,
+            run_id=result.run_id,
+            lock_lost=generation.lock_lost,
+            stopping=self._stopping_runs,
+            log=logging.LoggerAdapter(
+                job.log,
+                {
+                    "job": job.name,
+                    "key": job.key,
+                    "run_id": result.run_id,
+                    "scheduled_at": result.scheduled_at.isoformat(),
+                },
+            ),
+        )
+        started = events.RunStarted(
+            job=job.name,
+            key=job.key,
+            scheduled_at=result.scheduled_at,
+            run_id=result.run_id,
+            instance=self.instance,
+            lateness_s=((result.started_at or self.clock()) - result.scheduled_at).total_seconds(),
+            manual=manual is not None,
+            crashed=result.crashed,
+            skips_ended=result.consecutive_skips or 0,
+            ping_url=job.ping_url,
+        )
+        return Run(job=job, ctx=ctx, generation=generation, started=now, manual=manual), started
+
+    def _execute(self, run: Run, started: events.RunStarted) -> None:
+        self._emit(started)  # listeners are thread-safe
+        status, error = execute(run.job.spec, run.ctx)
+        self._ended(run, status, error)
+
+    def _ended(self, run: Run, status: Status, error: str | None) -> None:
+        signals = ((Told.STOPPING, run.ctx.stopping), (Told.LOCK_LOST, run.ctx.lock_lost))
+        told = ",".join(name for name, event in signals if event.is_set()) or None
+        ending = Ending(status, error, self.monotonic() - run.started, told)
+        with self._mutex:
+            if run.ended is not None:
+                return  # already recorded (given up at shutdown)
+            run.ended = ending
+            first = not self._finished
+            self._finished.append(run)
+        if first:
+            self._wake()  # later ones join the batch the dispatcher is about to take
+
+    # -- finishes --------------------------------------------------------------------
+
+    def _record_finishes(self) -> None:
+        with self._mutex:
+            batch, self._finished = self._finished, []
+        if not batch:
+            return
+        batch.sort(key=lambda run: (run.ctx.scheduled_at, run.job.key))  # the common order
+        try:
+            results = self._finish(batch)
+        except SessionLost:
+            with self._mutex:
+                self._finished[:0] = batch
+            raise
+        except Exception as exc:
+            log.warning("recording %d finished run(s) failed (%s); one by one", len(batch), exc)
+            results, left = self._finish_one_by_one(batch)
+            if left:
+                with self._mutex:
+                    self._finished[:0] = left
+                self._paused_until = self.monotonic() + 1.0
+        by_key = {(r.key, r.scheduled_at): r for r in results}
+        for run in batch:
+            outcome = by_key.get((run.job.key, run.ctx.scheduled_at))
+            if outcome is None:
+                continue  # not recorded yet: tried again
+            with self._mutex:
+                if self._runs.get(run.job.key) is run:
+                    del self._runs[run.job.key]
+            self._report_finish(run, outcome)
+
+    def _finish(self, runs: list[Run], placeholder: str | None = None) -> list[FinishResult]:
+        requests = [self._finish_request(run, placeholder) for run in runs]
+        results = self.session.round_trip(lambda: self.backend.finish(requests))
+        assert isinstance(results, list)
+        return results
+
+    def _finish_one_by_one(self, batch: list[Run]) -> tuple[list[FinishResult], list[Run]]:
+        """One row's trouble (its error text, say) must not keep the others unrecorded."""
+        results: list[FinishResult] = []
+        left: list[Run] = []
+        for run in batch:
+            try:
+                results += self._finish([run])
+            except SessionLost:
+                raise
+            except Exception as exc:
+                try:
+                    results += self._finish([run], placeholder=PLACEHOLDER_ERROR.format(reason=exc))
+                except SessionLost:
+                    raise
+                except Exception:
+                    log.exception("cannot record the finish of %s; trying again", run.job.name)
+                    left.append(run)
+        return results, left
+
+    def _finish_request(self, run: Run, placeholder: str | None) -> FinishRequest:
+        ending = run.ended
+        assert ending is not None
+        job = run.job
+        error = storable(ending.error) if placeholder is None else placeholder
+        return FinishRequest(
+            key=job.key,
+            scheduled_at=run.ctx.scheduled_at,
+            run_id=run.ctx.run_id,
+            status=ending.status,
+            error=None if ending.error is None else error,
+            unlock=run.generation is self.session.generation,
+            fail_threshold=job.fail_threshold,
+            told=ending.told,
+            duration_s=round(ending.duration_s, 6),
+            next_due=tick_after(job.trigger, run.ctx.scheduled_at) if job.scheduled else None,
+        )
+
+    def _report_finish(self, run: Run, outcome: FinishResult) -> None:
+        ending = run.ended
+        assert ending is not None
+        self._emit(
+            events.RunFinished(
+                job=run.job.name,
+                key=run.job.key,
+                scheduled_at=run.ctx.scheduled_at,
+                run_id=run.ctx.run_id,
+                instance=self.instance,
+                status=ending.status,
+                error=ending.error,
+                duration_s=ending.duration_s,
+                recorded=outcome.recorded,
+                lock_lost=run.ctx.lock_lost.is_set(),
+                told=ending.told,
+                consecutive_failures=outcome.consecutive_failures,
+                failures_threshold=run.job.fail_threshold,
+                failures_alert=outcome.alert,
+                failures_recovered=outcome.recovered,
+                skips_recovered=outcome.skips_recovered,
+                notices=outcome.notices,
+                ping_url=run.job.ping_url,
+            )
+        )
+        if run.manual is not None:
+            run.manual.set_result(
+                ManualResult(Outcome.RUN, ending.status, ending.error, run.ctx.run_id)
+            )
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _emit(self, event: events.Event) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("listener %r failed on %s", listener, type(event).__name__)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: already awake
+            os.write(self._wake_w, b"\0")
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+
+__all__ = ["Backoff", "Gate", "ManualResult", "Run", "utc_now"]

@@ -1,0 +1,172 @@
+"""The tick queue: ticks APScheduler fired, waiting for the dispatcher to claim them.
+
+APScheduler hands over a burst of due ticks whole (every job on one grid falls
+due at once); the queue holds them until the burst is complete, so one claim
+covers it. Per job it keeps the newest tick to run, and every tick of a job
+this replica is still running (each is recorded `skipped`, none dropped). A
+batch whose claim failed for a reason other than a lost session is tried
+again after a growing delay, apart from the healthy ones, so one tick the
+database cannot take now never holds up the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+
+from scheduler.backends.base import Intent
+from scheduler.catalog import CatalogJob
+
+MAX_BACKLOG = 100  # ticks of one job kept while it runs here; older ones are left to the sweep
+RETRY_FIRST, RETRY_CAP = 1.0, 30.0  # seconds before a failed claim is tried again, doubling
+
+
+class Running(Enum):
+    """What this replica is doing with a job right now, as far as its next tick cares."""
+
+    NOT = "not"  # free to run it
+    HERE = "here"  # a run of it holds its lock here: ticks are skipped
+    LOST = "lost"  # a run of it goes on here after its lock was lost: others may take ticks
+
+
+@dataclass
+class Pending:
+    job: CatalogJob
+    ticks: list[datetime]  # sorted, newest last
+    since: float  # when the oldest of them arrived (monotonic)
+    not_before: float = 0.0
+    failures: int = 0  # claims of these ticks that failed in a row
+
+    def add(self, tick: datetime) -> None:
+        if tick not in self.ticks:
+            self.ticks.append(tick)
+            self.ticks.sort()
+            del self.ticks[:-MAX_BACKLOG]
+
+
+@dataclass
+class Batch:
+    """Ticks to claim together; `entries` go back to the queue if the claim fails."""
+
+    requests: list[tuple[CatalogJob, datetime, Intent]] = field(default_factory=list)
+    entries: list[Pending] = field(default_factory=list)
+
+
+class TickQueue:
+    def __init__(self, monotonic: Callable[[], float], left_to_others: float = 1.0) -> None:
+        self.monotonic = monotonic
+        # A tick of a job whose run here lost its lock goes to the other replicas first;
+        # if none has claimed it by then, this replica records it skipped.
+        self.left_to_others = left_to_others
+        self._mutex = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._bursts = 0
+        self._accepting = True
+
+    def add(self, jobs: Sequence[CatalogJob], tick: datetime) -> bool:
+        """Queue the same tick of several jobs; True if the dispatcher should wake now."""
+        now = self.monotonic()
+        with self._mutex:
+            if not self._accepting:
+                return False
+            for job in jobs:
+                entry = self._pending.get(job.key)
+                if entry is None:
+                    self._pending[job.key] = Pending(job, [tick], now)
+                else:
+                    entry.add(tick)
+            return not self._bursts
+
+    @contextlib.contextmanager
+    def burst(self) -> Iterator[None]:
+        """Ticks added inside are claimed together, once the burst is complete."""
+        with self._mutex:
+            self._bursts += 1
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self._bursts -= 1
+
+    def close(self) -> None:
+        """Stopping: accept nothing more, forget what waits (the other replicas take it)."""
+        with self._mutex:
+            self._accepting = False
+            self._pending.clear()
+
+    def next_due(self, capacity: int) -> float | None:
+        """When the earliest entry may be claimed (None: nothing to do until a tick comes)."""
+        with self._mutex:
+            if self._bursts or not self._pending:
+                return None
+            due = [e.not_before for e in self._pending.values() if capacity > 0 or e.failures]
+            return min(due) if due else None
+
+    def take(self, capacity: int, running: Callable[[int], Running]) -> list[Batch]:
+        """The batches to claim now: the healthy entries together, each failed one alone.
+
+        A job running here gets every queued tick as `skip`; a job free to run
+        gets its newest tick as `run`, while workers are free (older ones were
+        not claimed in time here: the other replicas or the sweep record them).
+        """
+        now = self.monotonic()
+        healthy, failed = Batch(), []
+        with self._mutex:
+            if self._bursts or not self._accepting:
+                return []
+            for key, entry in list(self._pending.items()):
+                if entry.not_before > now:
+                    continue
+                state = running(key)
+                if state is Running.LOST and now < entry.since + self.left_to_others:
+                    entry.not_before = entry.since + self.left_to_others
+                    continue
+                if state is Running.NOT:
+                    if capacity <= 0:
+                        continue  # waits for a free worker; another replica may take it
+                    capacity -= 1
+                    requests = [(entry.job, entry.ticks[-1], Intent.RUN)]
+                else:
+                    requests = [(entry.job, tick, Intent.SKIP) for tick in entry.ticks]
+                del self._pending[key]
+                batch = healthy if not entry.failures else Batch()
+                batch.requests += requests
+                batch.entries.append(entry)
+                if entry.failures:
+                    failed.append(batch)
+        return ([healthy] if healthy.requests else []) + failed
+
+    def put_back(
+        self, entries: Sequence[Pending], failed: bool = False, delay: float = 0.0
+    ) -> None:
+        """Requeue entries; a failure delays them more each time (merging newer ticks)."""
+        now = self.monotonic()
+        with self._mutex:
+            if not self._accepting:
+                return
+            for entry in entries:
+                if failed:
+                    entry.failures += 1
+                    wait = min(RETRY_CAP, RETRY_FIRST * 2 ** (entry.failures - 1))
+                    entry.not_before = now + wait
+                else:
+                    entry.failures = 0
+                    entry.not_before = now + delay
+                queued = self._pending.get(entry.job.key)
+                if queued is not None:
+                    for tick in queued.ticks:
+                        entry.add(tick)
+                    entry.since = min(entry.since, queued.since)
+                self._pending[entry.job.key] = entry
+
+    def requeue(self, job: CatalogJob, tick: datetime, delay: float = 0.0) -> None:
+        """A single tick back (deferred: no free worker; yielded: another replica's share)."""
+        self.put_back([Pending(job, [tick], self.monotonic())], delay=delay)
+
+    def __len__(self) -> int:
+        with self._mutex:
+            return len(self._pending)

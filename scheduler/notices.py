@@ -1,0 +1,183 @@
+"""The outbox's deliverer: each notice logged, counted and POSTed once, by some live replica.
+
+A notice is written by the claim or finish that raises it, in the same
+transaction, leased to the replica that committed it (`ledger.notices`). That
+replica learns the notice's id from the answer and delivers it at once. If it
+never reads the answer (its session died after the commit) or dies while
+delivering, the lease runs out and whichever replica's housekeeping comes by
+next adopts it (`adopt`). A failed POST is tried again with backoff (1 s
+doubling to 60 s, for up to 15 minutes after the notice was raised), each
+retry also recorded in the outbox, so retries survive the replica too.
+
+Delivery is at least once: a replica that dies between the POST and marking
+it delivered leaves it to be sent again; the body's `notice_id` tells a
+receiver it has seen it. An observer: nothing here steers the gate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from scheduler import events, ledger
+from scheduler.alerts import Notice
+from scheduler.errors import one_line
+from scheduler.posting import post, redact_url
+
+log = logging.getLogger("scheduler.alerts")
+
+FIRST_RETRY, MAX_RETRY = 1.0, 60.0  # seconds between attempts, doubling
+GIVE_UP_AFTER = timedelta(minutes=15)  # after the notice was raised
+POST_TIMEOUT = 5.0
+
+
+class Notices:
+    """Delivers this replica's notices from a thread of its own; never blocks the caller."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        instance: str,
+        webhook_url: str | None = None,
+        *,
+        on_alert: Callable[[str, str], None] | None = None,
+        on_delivery: Callable[[str, bool], None] | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.instance = instance
+        self.webhook_url = webhook_url
+        self.shown = redact_url(webhook_url) if webhook_url else None
+        self.on_alert = on_alert
+        self.on_delivery = on_delivery
+        self.clock = clock
+        self.monotonic = monotonic
+        self._due: list[tuple[float, int]] = []  # (monotonic, notice id)
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- what arrives ------------------------------------------------------------------
+
+    def __call__(self, event: events.Event) -> None:
+        """A listener of the gate: the notices its claims and finishes just raised."""
+        ids = getattr(event, "notices", ())
+        if ids:
+            self.schedule(ids)
+
+    def adopt(self, conn: Connection, now: Any) -> int:
+        """Inside housekeeping's transaction: take over notices nobody is delivering."""
+        ids = ledger.adopt_notices(conn, self.instance, now)
+        if ids:
+            self.schedule(ids)
+        return len(ids)
+
+    def schedule(self, ids: tuple[int, ...] | list[int], delay: float = 0.0) -> None:
+        due = self.monotonic() + delay
+        with self._cv:
+            if self._closed:
+                return
+            for notice in ids:
+                heapq.heappush(self._due, (due, notice))
+            self._cv.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="notices", daemon=True)
+                self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Give notices due now a moment to go out; the rest stay in the outbox for others."""
+        deadline = self.monotonic() + timeout
+        with self._cv:
+            while self._due and self._due[0][0] <= self.monotonic() < deadline:
+                self._cv.wait(0.05)
+            self._closed = True
+            self._cv.notify()
+
+    # -- delivery ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._due or self._due[0][0] > self.monotonic()):
+                    self._cv.wait(self._due[0][0] - self.monotonic() if self._due else None)
+                if self._closed:
+                    return
+                ids = []
+                while self._due and self._due[0][0] <= self.monotonic():
+                    ids.append(heapq.heappop(self._due)[1])
+            try:
+                self.deliver(ids)
+            except Exception as exc:  # the ledger is away: the leases run out, others adopt
+                log.warning("cannot deliver %d notice(s) now: %s", len(ids), one_line(exc))
+            with self._cv:
+                self._cv.notify_all()
+
+    def deliver(self, ids: list[int]) -> None:
+        with self.engine.connect() as conn:
+            rows = ledger.leased_notices(conn, ids, self.instance)
+        for row in rows:
+            self._deliver_one(Notice.from_row(row))
+
+    def _deliver_one(self, notice: Notice) -> None:
+        if notice.attempts == 0:
+            log.log(
+                notice.level,
+                "%s",
+                notice.log_line(),
+                extra={"alert": notice.event, "notice_id": notice.id, **notice.body()},
+            )
+            if self.on_alert:
+                self.on_alert(notice.event, notice.job)
+        if self.webhook_url is None:
+            self._done(notice, "delivered")
+            return
+        error = post(
+            self.webhook_url, json.dumps(notice.body()).encode(), POST_TIMEOUT, "application/json"
+        )
+        if self.on_delivery:
+            self.on_delivery(notice.event, error is None)
+        if error is None:
+            if notice.attempts:
+                log.info(
+                    "webhook %s: delivered %s after %d retries",
+                    self.shown,
+                    notice.event,
+                    notice.attempts,
+                )
+            self._done(notice, "delivered")
+            return
+        delay = min(MAX_RETRY, FIRST_RETRY * 2**notice.attempts)
+        now = self.clock()
+        if now + timedelta(seconds=delay) - notice.raised_at > GIVE_UP_AFTER:
+            log.error(
+                "webhook %s: giving up on %s after %d attempts: %s",
+                self.shown,
+                notice.event,
+                notice.attempts + 1,
+                error,
+            )
+            self._done(notice, "given_up")
+            return
+        log.warning(
+            "webhook %s: %s not delivered (%s); retrying in %g s",
+            self.shown,
+            notice.event,
+            error,
+            delay,
+        )
+        with self.engine.begin() as conn:
+            ledger.notice_retry(conn, notice.id, self.instance, now + timedelta(seconds=delay))
+        self.schedule([notice.id], delay)
+
+    def _done(self, notice: Notice, outcome: str) -> None:
+        with self.engine.begin() as conn:
+            ledger.notice_done(conn, notice.id, self.instance, self.clock(), outcome)
