@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 
 import psycopg
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.catalog import Catalog
+from scheduler.catalog import Catalog, schedule_text
 from scheduler.config import Settings
 from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
 from tests.support import make_job
@@ -194,3 +195,65 @@ def test_indexes_serve_the_claim_history_and_prune_with_millions_of_rows(databas
     ]
     assert {r.outcome for r in backend.claim(requests, "ix", capacity=500)} == {Outcome.RUN}
     backend.close()
+
+
+def job_every(key: int, seconds: int, name: str):
+    """A catalog job on a grid of `seconds` (make_job's jobs tick every second)."""
+    from dataclasses import replace
+
+    from scheduler.config import JobConfig
+
+    base = make_job(key, lambda ctx: None, name=name)
+    return replace(base, schedule=JobConfig(interval=f"{seconds}s"))
+
+
+def test_replicas_that_differ_never_have_one_schedule_recorded_missed_for_the_other(
+    backend_factory,
+):
+    """A rolling deploy: r-old runs the job every 2 s, r-new every 3 s, both live."""
+    old, new = job_every(641, 2, "deploying"), job_every(641, 3, "deploying")
+    backend = backend_factory("h")
+    now = datetime.now(UTC).replace(microsecond=0)
+    start = now - timedelta(minutes=5)
+    ledger.track_jobs(backend.ledger_engine, [(641, "deploying", "every 2s")], start)
+    with backend.ledger_engine.begin() as conn:
+        ledger.register(conn, "r-old", [(641, "deploying", schedule_text(old))], start)
+        ledger.register(conn, "r-new", [(641, "deploying", schedule_text(new))], start)
+    keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
+    sweep_missed(keeper, now - timedelta(seconds=60), now)
+    with backend.ledger_engine.connect() as conn:
+        missed = [r.scheduled_at for r in ledger.history(conn, 641, 1000)]
+    assert missed  # nobody claimed anything here: the common ticks are missed ...
+    assert all(t.timestamp() % 6 == 0 for t in missed)  # ... and only those (every 6 s)
+
+
+def test_a_fleet_that_comes_back_with_a_new_schedule_explains_every_old_tick(backend_factory):
+    """Down for a minute with a 2 s schedule; back with a 3 s one: no unexplained gap."""
+    old, new = job_every(651, 2, "changed"), job_every(651, 3, "changed")
+    backend = backend_factory("h")
+    now = datetime.now(UTC).replace(microsecond=0)
+    down = now - timedelta(seconds=100)  # the old fleet's last replica died here
+    ledger.track_jobs(
+        backend.ledger_engine, [(651, "changed", "every 2s")], now - timedelta(hours=1)
+    )
+    with backend.ledger_engine.begin() as conn:
+        ledger.register(
+            conn, "r-old", [(651, "changed", schedule_text(old))], now - timedelta(hours=1)
+        )
+        back = now - timedelta(seconds=40)  # the new fleet's first replica started here
+        ledger.register(conn, "r-new", [(651, "changed", schedule_text(new))], back)
+        ledger.supersede(conn, {"r-new"}, back)  # r-old is gone: its schedule ends
+    keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
+    sweep_missed(keeper, down - timedelta(seconds=1), now)
+    with backend.ledger_engine.connect() as conn:
+        missed = sorted(r.scheduled_at for r in ledger.history(conn, 651, 1000))
+    cutoff = now - new.misfire_grace - MISSED_MARGIN
+    old_ticks = [t for t in missed if t < back]
+    new_ticks = [t for t in missed if t > back]
+    # Every tick of the old schedule from the downtime until the change is explained ...
+    assert old_ticks and all(t.timestamp() % 2 == 0 for t in old_ticks)
+    gaps = {b - a for a, b in pairwise(old_ticks)}
+    assert gaps == {timedelta(seconds=2)} and back - old_ticks[-1] <= timedelta(seconds=2)
+    # ... and the new schedule's ticks count from its start, not before.
+    assert all(t.timestamp() % 3 == 0 for t in new_ticks)
+    assert all(t <= cutoff for t in missed)
