@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from scheduler.backends.postgres import (
+from scheduler.backends.pg_session import (
     POOLER_MESSAGE,
     session_is_kept,
     short_connection,

@@ -318,7 +318,8 @@ def _history(
 def _trigger(config: Config, catalog: Catalog, name: str) -> int:
     from scheduler.backends.base import Outcome
     from scheduler.gate import Gate
-    from scheduler.logs import RunLog, setup_logging, stop_logging
+    from scheduler.logs import setup_logging, stop_logging
+    from scheduler.runlog import RunLog
 
     job = catalog.by_name(name)
     if job is None:

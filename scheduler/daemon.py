@@ -32,9 +32,10 @@ from scheduler.config import Config
 from scheduler.errors import ConfigError, one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping
-from scheduler.logs import RunLog, stop_logging
+from scheduler.logs import stop_logging
 from scheduler.notices import Notices
 from scheduler.pings import Pings
+from scheduler.runlog import RunLog
 from scheduler.schedules import ticks_between
 
 log = logging.getLogger("scheduler.daemon")
@@ -304,6 +305,6 @@ class Daemon:
 
 def is_permanent(exc: BaseException) -> bool:
     """A ledger error no retry mends (PostgreSQL only: the embedded file has none)."""
-    from scheduler.backends.postgres import is_permanent as refused
+    from scheduler.backends.pg_session import is_permanent as refused
 
     return refused(exc)

@@ -1,4 +1,9 @@
-"""What the gate reports. Logs, metrics, alerts and pings observe these; none steer the gate."""
+"""What the gate reports. Logs, metrics, notices and pings observe these; none steer the gate.
+
+An observer is an `Observer` that implements the methods of the events it
+cares about (`run_started`, `run_finished`, ...): one dispatch, here, for
+all of them, so a new event is a new method with a default that ignores it.
+"""
 
 from __future__ import annotations
 
@@ -68,17 +73,52 @@ class TickMissed:
 
 
 @dataclass(frozen=True)
-class SessionUp:
+class LockSessionUp:
     instance: str
     backend: str
 
 
 @dataclass(frozen=True)
-class SessionLost:
+class LockSessionLost:
     instance: str
     reason: str
     runs: tuple[str, ...]  # jobs whose ctx.lock_lost was set
 
 
-Event = RunStarted | RunFinished | TickSkipped | TickMissed | SessionUp | SessionLost
+Event = RunStarted | RunFinished | TickSkipped | TickMissed | LockSessionUp | LockSessionLost
 Listener = Callable[[Event], None]
+
+
+class Observer:
+    """A listener with one method per event; the ones it does not implement ignore theirs."""
+
+    def __call__(self, event: Event) -> None:
+        getattr(self, _METHODS[type(event)])(event)
+
+    def run_started(self, event: RunStarted) -> None:
+        return None
+
+    def run_finished(self, event: RunFinished) -> None:
+        return None
+
+    def tick_skipped(self, event: TickSkipped) -> None:
+        return None
+
+    def tick_missed(self, event: TickMissed) -> None:
+        return None
+
+    def lock_session_up(self, event: LockSessionUp) -> None:
+        return None
+
+    def lock_session_lost(self, event: LockSessionLost) -> None:
+        return None
+
+
+_METHODS: dict[type, str] = {
+    RunStarted: "run_started",
+    RunFinished: "run_finished",
+    TickSkipped: "tick_skipped",
+    TickMissed: "tick_missed",
+    LockSessionUp: "lock_session_up",
+    LockSessionLost: "lock_session_lost",
+}

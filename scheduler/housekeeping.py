@@ -32,7 +32,7 @@ from scheduler.schedules import tick_after, ticks_between
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 
 if TYPE_CHECKING:
-    from scheduler.backends import Backend
+    from scheduler.backends.base import LedgerStore
     from scheduler.notices import Notices
 
 log = logging.getLogger("scheduler.housekeeping")
@@ -46,7 +46,7 @@ MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be 
 class Housekeeping:
     def __init__(
         self,
-        backend: Backend,
+        backend: LedgerStore,
         catalog: Catalog,
         settings: Settings,
         on_streaks: Callable[[dict[str, int]], None] | None = None,
@@ -81,7 +81,7 @@ class Housekeeping:
                 )
             self._refuse_clashes(ledger.registrations_of(conn), set(live))
             entries = [(job.key, job.name, schedule_text(job)) for job in self.catalog]
-            ledger.register(conn, me, entries, now)
+            ledger.register(conn, me, entries, set(live), now)
             ledger.supersede(conn, {*live, me}, now)
         ledger.track_jobs(
             engine, [(job.key, job.name, job.describe()) for job in self.catalog], now

@@ -1,8 +1,7 @@
-"""The ledger: one row per (job key, scheduled tick), in SQLAlchemy 2.
+"""The ledger's tables and the queries of housekeeping and the commands, in SQLAlchemy 2.
 
-The primary key on (job_key, scheduled_at) is the claim: whichever replica
-inserts a tick's row first owns that tick, so a tick runs once even when
-replicas' clocks disagree or a job finishes in a millisecond. Both backends
+One row per (job key, scheduled tick): its primary key is what a claim
+inserts (the protocol is told in `scheduler.gate`). Both backends
 (PostgreSQL and the embedded SQLite file) use these tables and these queries.
 """
 
@@ -301,16 +300,18 @@ def track_jobs(engine: Any, entries: list[tuple[int, str, str]], now: datetime) 
             row.job_key: (row.job_name, row.schedule)
             for row in conn.execute(select(jobs.c.job_key, jobs.c.job_name, jobs.c.schedule))
         }
-    for key, name, schedule in sorted(entries):
-        if known.get(key) == (name, schedule):
-            continue
+    new = [
+        {"job_key": key, "job_name": name, "schedule": schedule, "tracked_since": now}
+        for key, name, schedule in sorted(entries)
+        if key not in known
+    ]
+    if new:  # new rows lock nothing another transaction holds: one statement, in key order
         with engine.begin() as conn:
-            if key not in known:
-                statement = upsert(conn, jobs).values(
-                    job_key=key, job_name=name, schedule=schedule, tracked_since=now
-                )
-                conn.execute(statement.on_conflict_do_nothing(index_elements=[jobs.c.job_key]))
-            else:
+            statement = upsert(conn, jobs).values(new)
+            conn.execute(statement.on_conflict_do_nothing(index_elements=[jobs.c.job_key]))
+    for key, name, schedule in sorted(entries):
+        if key in known and known[key] != (name, schedule):
+            with engine.begin() as conn:
                 conn.execute(
                     update(jobs)
                     .where(
@@ -507,35 +508,52 @@ def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Re
 
 
 def register(
-    conn: Connection, instance: str, entries: list[tuple[int, str, str | None]], now: datetime
+    conn: Connection,
+    instance: str,
+    entries: list[tuple[int, str, str | None]],
+    live: set[str],
+    now: datetime,
 ) -> None:
-    """This replica's jobs and schedules; a schedule kept across a restart keeps its `since`."""
-    mine = {r.key: r for r in registrations_of(conn) if r.instance == instance}
-    for key, name, schedule in sorted(entries):
-        known = mine.pop(key, None)
-        if known is None:
-            conn.execute(
-                registrations.insert().values(
-                    instance=instance, job_key=key, job_name=name, schedule=schedule, since=now
-                )
-            )
-        elif (known.name, known.schedule, known.until) != (name, schedule, None):
-            since = known.since if known.schedule == schedule and known.until is None else now
-            conn.execute(
-                update(registrations)
-                .where(registrations.c.instance == instance, registrations.c.job_key == key)
-                .values(job_name=name, schedule=schedule, since=since, until=None)
-            )
-    for key in mine:  # jobs this replica no longer has
+    """This replica's jobs and schedules, in force from now, or from when a replica now gone
+    began the same schedule (whose rows this one takes over: the table stays about one
+    row per live replica and job, plus schedules a change left behind)."""
+    found = registrations_of(conn)
+    heirs: dict[tuple[int, str | None], datetime] = {}
+    for r in found:
+        if r.instance != instance and r.instance not in live and r.until is None:
+            key = (r.key, r.schedule)
+            heirs[key] = min(r.since, heirs.get(key, r.since))
+    wanted = {(key, schedule) for key, _, schedule in entries}
+    inherited = [pair for pair in heirs if pair in wanted]
+    for key, schedule in inherited:  # the gone replicas' rows live on in this one's
         conn.execute(
-            update(registrations)
-            .where(
-                registrations.c.instance == instance,
+            delete(registrations).where(
                 registrations.c.job_key == key,
+                registrations.c.schedule.is_not_distinct_from(schedule),
                 registrations.c.until.is_(None),
+                registrations.c.instance.not_in([*live, instance]),
             )
-            .values(until=now)
         )
+    mine = {r.key: r for r in found if r.instance == instance}
+    rows = []
+    for key, name, schedule in sorted(entries):
+        since = heirs.get((key, schedule), now)
+        known = mine.pop(key, None)
+        if known is not None and known.schedule == schedule and known.until is None:
+            since = min(since, known.since)
+        rows.append(
+            {
+                "instance": instance,
+                "job_key": key,
+                "job_name": name,
+                "schedule": schedule,
+                "since": since,
+                "until": None,
+            }
+        )
+    conn.execute(delete(registrations).where(registrations.c.instance == instance))
+    if rows:
+        conn.execute(registrations.insert().values(rows))
 
 
 def supersede(conn: Connection, live: set[str], now: datetime) -> int:

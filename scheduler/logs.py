@@ -1,7 +1,8 @@
 """Logging: `text` for people, `json` (one object per line) for log pipelines.
 
-`RunLog` observes the gate and writes one line when a run starts, one when it
-ends, one per skip, per missed tick and per lost session.
+Records are formatted and written by one writer thread, many per write; a
+line can also be queued as a function that builds it there (`defer`), off
+the thread that has something to say (`scheduler.runlog` does, for runs).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ import logging
 import queue
 import sys
 import threading
-import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from scheduler import events
-from scheduler.statuses import Status
 from scheduler.text import printable
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -93,7 +92,7 @@ class _Writer:
                     try:
                         records = item.records()
                     except Exception:  # a broken line must not end the logging of the rest
-                        lines.append(f"(could not build the log line for {item.event!r})")
+                        lines.append(f"(could not build the log line for {item.what})")
                         continue
                 else:
                     records = [item]
@@ -113,15 +112,15 @@ class _Writer:
 
 
 class _Deferred:
-    """Log lines to be built by the writer thread (see `RunLog`)."""
+    """Log lines to be built by the writer thread (see `defer`)."""
 
-    __slots__ = ("created", "event", "run_log")
+    __slots__ = ("build", "what")
 
-    def __init__(self, run_log: RunLog, event: events.Event, created: float) -> None:
-        self.run_log, self.event, self.created = run_log, event, created
+    def __init__(self, build: Callable[[], list[logging.LogRecord]], what: str) -> None:
+        self.build, self.what = build, what
 
     def records(self) -> list[logging.LogRecord]:
-        return self.run_log.records(self.event, self.created)
+        return self.build()
 
 
 Item = logging.LogRecord | _Deferred
@@ -169,142 +168,10 @@ def stop_logging() -> None:
         _writer = None
 
 
-class RunLog:
-    """The gate's outcomes as log lines.
-
-    With `structured`, each line also carries the event's fields (for JSON
-    logs); text logs say everything in the message and skip building them.
-    When `setup_logging` runs the writer thread, the lines are built there:
-    the thread that starts or finishes a run only queues the event.
-    """
-
-    def __init__(self, logger: logging.Logger | None = None, structured: bool = False) -> None:
-        self.log = logger or logging.getLogger("scheduler.runs")
-        self.structured = structured
-
-    def __call__(self, event: events.Event) -> None:
-        writer = _writer
-        if writer is not None and self.log.propagate and not self.log.handlers:
-            writer.queue.put(_Deferred(self, event, time.time()))
-            return
-        for record in self.records(event, time.time()):
-            self.log.handle(record)
-
-    def records(self, event: events.Event, created: float) -> list[logging.LogRecord]:
-        """The lines for one event, stamped with the time it happened."""
-        out: list[logging.LogRecord] = []
-
-        def add(level: int, msg: str, *args: object, extra: dict[str, Any] | None) -> None:
-            if self.log.isEnabledFor(level):
-                record = self.log.makeRecord(
-                    self.log.name, level, "(unknown file)", 0, msg, args, None, extra=extra
-                )
-                record.created = created
-                record.msecs = (created - int(created)) * 1000
-                out.append(record)
-
-        if isinstance(event, events.RunStarted):
-            add(
-                logging.INFO,
-                "run started: %s tick %s run_id %d (%.3f s late)",
-                event.job,
-                event.scheduled_at.isoformat(),
-                event.run_id,
-                event.lateness_s,
-                extra=self._fields(
-                    event,
-                    "job",
-                    "key",
-                    "scheduled_at",
-                    "run_id",
-                    "instance",
-                    "lateness_s",
-                    "manual",
-                ),
-            )
-            if event.crashed:
-                add(
-                    logging.WARNING,
-                    "%s: %d earlier run(s) recorded crashed (their replica died or lost the lock)",
-                    event.job,
-                    event.crashed,
-                    extra=self._fields(event, "job", "key"),
-                )
-        elif isinstance(event, events.RunFinished):
-            level = logging.INFO if event.status == Status.SUCCEEDED else logging.WARNING
-            note = "" if event.recorded else " (not recorded: the run had lost its lock)"
-            if event.told:
-                note += f" (told: {event.told})"
-            add(
-                level,
-                "run %s: %s tick %s run_id %d in %.3f s%s%s",
-                event.status,
-                event.job,
-                event.scheduled_at.isoformat(),
-                event.run_id,
-                event.duration_s,
-                f": {event.error}" if event.error else "",
-                note,
-                extra=self._fields(
-                    event,
-                    "job",
-                    "key",
-                    "scheduled_at",
-                    "run_id",
-                    "instance",
-                    "status",
-                    "duration_s",
-                    "error",
-                    "recorded",
-                    "lock_lost",
-                    "told",
-                ),
-            )
-        elif isinstance(event, events.TickSkipped):
-            since = f" since {event.holder_since.isoformat()}" if event.holder_since else ""
-            add(
-                logging.WARNING,
-                "tick skipped: %s tick %s, previous run still going on %s%s "
-                "(%d consecutive skip(s))",
-                event.job,
-                event.scheduled_at.isoformat(),
-                event.holder or "?",
-                since,
-                event.consecutive_skips,
-                extra=self._fields(
-                    event, "job", "key", "scheduled_at", "instance", "holder", "consecutive_skips"
-                ),
-            )
-        elif isinstance(event, events.TickMissed):
-            add(
-                logging.WARNING,
-                "tick missed: %s tick %s could not start within its misfire grace",
-                event.job,
-                event.scheduled_at.isoformat(),
-                extra=self._fields(event, "job", "key", "scheduled_at", "instance"),
-            )
-        elif isinstance(event, events.SessionUp):
-            add(
-                logging.INFO,
-                "lock session up (%s)",
-                event.backend,
-                extra={"instance": event.instance},
-            )
-        elif isinstance(event, events.SessionLost):
-            add(
-                logging.ERROR,
-                "lock session lost: %s; lock_lost set on %s",
-                event.reason,
-                ", ".join(event.runs) or "no running job",
-                extra={"instance": event.instance, "lost_runs": list(event.runs)},
-            )
-        return out
-
-    def _fields(self, event: object, *names: str) -> dict[str, Any] | None:
-        if not self.structured:
-            return None
-        out = {}
-        for name in names:
-            value = getattr(event, name)
-            out[name] = value.isoformat() if isinstance(value, datetime) else value
-        return out
+def defer(build: Callable[[], list[logging.LogRecord]], what: str) -> bool:
+    """Have the writer thread build and write these lines; False if no writer runs."""
+    writer = _writer
+    if writer is None:
+        return False
+    writer.queue.put(_Deferred(build, what))
+    return True

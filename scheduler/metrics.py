@@ -19,6 +19,7 @@ from prometheus_client import (
 )
 
 from scheduler import events
+from scheduler.statuses import Status
 
 DURATION_BUCKETS = (0.005, 0.05, 0.25, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
 disable_created_metrics()  # `_created` series only add noise to every scrape
@@ -26,7 +27,7 @@ disable_created_metrics()  # `_created` series only add noise to every scrape
 LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60)
 
 
-class Metrics:
+class Metrics(events.Observer):
     def __init__(self, jobs: list[str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -112,29 +113,33 @@ class Metrics:
             self.consecutive_skips.labels(job=job).set(0)
             self.running.labels(job=job).set(0)
 
-    def __call__(self, event: events.Event) -> None:
-        if isinstance(event, events.RunStarted):
-            self.lateness.labels(job=event.job).observe(max(0.0, event.lateness_s))
-            self.consecutive_skips.labels(job=event.job).set(0)
-            self.running.labels(job=event.job).inc()
-        elif isinstance(event, events.RunFinished):
-            self.runs.labels(job=event.job, status=event.status).inc()
-            self.duration.labels(job=event.job).observe(event.duration_s)
-            self.running.labels(job=event.job).dec()
-            if event.status == "succeeded":
-                self.last_success.labels(job=event.job).set(time.time())
-        elif isinstance(event, events.TickSkipped):
-            self.skips.labels(job=event.job).inc()
-            self.consecutive_skips.labels(job=event.job).set(event.consecutive_skips)
-        elif isinstance(event, events.TickMissed):
-            self.missed.labels(job=event.job).inc()
-        elif isinstance(event, events.SessionUp):
-            self.session_up.set(1)
-        elif isinstance(event, events.SessionLost):
-            self.session_up.set(0)
-            self.lock_lost.inc()
-            for job in event.runs:
-                self.runs_lost.labels(job=job).inc()
+    def run_started(self, event: events.RunStarted) -> None:
+        self.lateness.labels(job=event.job).observe(max(0.0, event.lateness_s))
+        self.consecutive_skips.labels(job=event.job).set(0)
+        self.running.labels(job=event.job).inc()
+
+    def run_finished(self, event: events.RunFinished) -> None:
+        self.runs.labels(job=event.job, status=event.status).inc()
+        self.duration.labels(job=event.job).observe(event.duration_s)
+        self.running.labels(job=event.job).dec()
+        if event.status == Status.SUCCEEDED:
+            self.last_success.labels(job=event.job).set(time.time())
+
+    def tick_skipped(self, event: events.TickSkipped) -> None:
+        self.skips.labels(job=event.job).inc()
+        self.consecutive_skips.labels(job=event.job).set(event.consecutive_skips)
+
+    def tick_missed(self, event: events.TickMissed) -> None:
+        self.missed.labels(job=event.job).inc()
+
+    def lock_session_up(self, event: events.LockSessionUp) -> None:
+        self.session_up.set(1)
+
+    def lock_session_lost(self, event: events.LockSessionLost) -> None:
+        self.session_up.set(0)
+        self.lock_lost.inc()
+        for job in event.runs:
+            self.runs_lost.labels(job=job).inc()
 
     def alert(self, name: str, job: str) -> None:
         self.alerts.labels(event=name, job=job).inc()

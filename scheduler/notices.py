@@ -39,7 +39,7 @@ GIVE_UP_AFTER = timedelta(minutes=15)  # after the notice was raised
 POST_TIMEOUT = 5.0
 
 
-class Notices:
+class Notices(events.Observer):
     """Delivers this replica's notices from a thread of its own; never blocks the caller."""
 
     def __init__(
@@ -68,11 +68,15 @@ class Notices:
 
     # -- what arrives ------------------------------------------------------------------
 
-    def __call__(self, event: events.Event) -> None:
-        """A listener of the gate: the notices its claims and finishes just raised."""
-        ids = getattr(event, "notices", ())
-        if ids:
-            self.schedule(ids)
+    # As an observer of the gate: the notices its claims and finishes just raised.
+
+    def tick_skipped(self, event: events.TickSkipped) -> None:
+        if event.notices:
+            self.schedule(event.notices)
+
+    def run_finished(self, event: events.RunFinished) -> None:
+        if event.notices:
+            self.schedule(event.notices)
 
     def adopt(self, conn: Connection, now: Any) -> int:
         """Inside housekeeping's transaction: take over notices nobody is delivering."""

@@ -16,11 +16,12 @@ import threading
 
 from scheduler import events
 from scheduler.posting import post, redact_url
+from scheduler.statuses import Status
 
 log = logging.getLogger("scheduler.pings")
 
 
-class Pings:
+class Pings(events.Observer):
     """Sends pings from one background thread, started with the first ping."""
 
     def __init__(self, timeout: float = 5.0, max_queued: int = 1000) -> None:
@@ -29,15 +30,18 @@ class Pings:
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
 
-    def __call__(self, event: events.Event) -> None:
-        if isinstance(event, events.RunStarted) and event.ping_url:
+    def run_started(self, event: events.RunStarted) -> None:
+        if event.ping_url:
             self._send(event.ping_url.rstrip("/") + "/start", b"")
-        elif isinstance(event, events.RunFinished) and event.ping_url and event.recorded:
-            base = event.ping_url.rstrip("/")
-            if event.status == "succeeded":
-                self._send(base, b"")
-            else:
-                self._send(base + "/fail", (event.error or event.status).encode()[:10_000])
+
+    def run_finished(self, event: events.RunFinished) -> None:
+        if not event.ping_url or not event.recorded:
+            return
+        base = event.ping_url.rstrip("/")
+        if event.status == Status.SUCCEEDED:
+            self._send(base, b"")
+        else:
+            self._send(base + "/fail", (event.error or event.status).encode()[:10_000])
 
     def _send(self, url: str, body: bytes) -> None:
         if self._thread is None:

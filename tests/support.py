@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -56,76 +56,11 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
         time.sleep(every)
 
 
-# The jobs every fleet test loads: each run appends one JSON line of evidence,
-# written by the job itself, independent of the ledger under test.
-EVIDENCE_JOBS = '''
-import json, os, threading, time
-from scheduler import job, RunContext
-
-EVIDENCE = os.environ["SCHEDULER_TEST_EVIDENCE"]
-
-
-def record(ctx, **extra):
-    line = json.dumps({"job": ctx.job_name, "tick": ctx.scheduled_at.isoformat(),
-                       "instance": ctx.instance, "run_id": ctx.run_id, "pid": os.getpid(),
-                       "at": time.time(), **extra})
-    with open(EVIDENCE, "a") as f:
-        f.write(line + "\\n")
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _enter(marker):
-    """Create the job's marker atomically; True if a live run of the job already holds it."""
-    for _ in range(5):
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                with open(marker) as f:
-                    other = int(f.read() or 0)
-            except (FileNotFoundError, ValueError):
-                other = 0
-            if other and _alive(other):
-                return True
-            try:
-                os.unlink(marker)  # left by a killed replica
-            except FileNotFoundError:
-                pass
-            continue
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        return False
-    return True
-
-
-def exclusive(ctx, seconds, until_stopping=True):
-    """Run for `seconds`, recording whether another live run of the job was going meanwhile."""
-    marker = os.path.join(os.path.dirname(EVIDENCE), ctx.job_name + ".running")
-    overlap = _enter(marker)
-    record(ctx, event="start", overlap=overlap)
-    deadline = time.monotonic() + seconds
-    lost_at = None
-    while time.monotonic() < deadline:
-        if until_stopping and ctx.stopping.is_set():
-            break
-        if ctx.lock_lost.is_set() and lost_at is None:
-            lost_at = time.time()
-        # Event.wait, not time.sleep: libfaketime breaks clock_nanosleep.
-        threading.Event().wait(min(0.05, max(0.0, deadline - time.monotonic())))
-    if not overlap:
-        try:
-            os.unlink(marker)
-        except FileNotFoundError:
-            pass
-    record(ctx, event="end", lock_lost=ctx.lock_lost.is_set(), lock_lost_at=lost_at)
-'''
+# The job modules fleet tests pick from (`Fleet(job_files=...)`), and their helper
+# `_evidence.py`: each run appends one JSON line of evidence, written by the job
+# itself, independent of the ledger under test.
+FLEET_JOBS = Path(__file__).resolve().parent / "fleet" / "jobs"
+EVIDENCE_HELPER = "_evidence.py"
 
 
 @dataclass
@@ -151,20 +86,29 @@ class Replica:
 
 @dataclass
 class Fleet:
-    """A folder with config.yaml and jobs/, and the replicas started from it."""
+    """A folder with config.yaml and jobs/, and the replicas started from it.
+
+    `jobs` are the schedules; `job_files` name the modules of tests/fleet/jobs
+    that the fleet's jobs/ folder gets, with the `_evidence.py` they import.
+    Only those: the daemon imports every module in jobs/, so modules that use
+    one key for different jobs must never share a folder.
+    """
 
     root: Path
     database_url: str | None
     jobs: dict[str, dict[str, Any]]
     settings: dict[str, Any] = field(default_factory=dict)
-    job_code: str = ""
     replicas: dict[str, Replica] = field(default_factory=dict)
+    job_files: Sequence[str] = field(kw_only=True)
 
     def __post_init__(self) -> None:
-        (self.root / "jobs").mkdir(parents=True, exist_ok=True)
-        (self.root / "jobs" / "test_jobs.py").write_text(
-            EVIDENCE_JOBS + textwrap.dedent(self.job_code)
-        )
+        folder = self.root / "jobs"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in (EVIDENCE_HELPER, *self.job_files):
+            source = FLEET_JOBS / name
+            if Path(name).name != name or not source.is_file():
+                raise AssertionError(f"no job module {name!r} in {FLEET_JOBS}")
+            shutil.copyfile(source, folder / name)
         document = {"scheduler": self.settings, "jobs": self.jobs}
         (self.root / "config.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
         self.evidence_path.touch()

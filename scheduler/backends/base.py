@@ -100,8 +100,8 @@ class Unavailable(Exception):
     """The backend cannot be reached right now; try again later."""
 
 
-class Backend(Protocol):
-    """What the gate needs from a store of locks and ledger rows."""
+class LockStore(Protocol):
+    """What the gate needs: the lock session (locks, claims, finishes; one per replica)."""
 
     name: str
     # Locks that belong to a network session need a watchdog: a session that cannot be
@@ -140,7 +140,11 @@ class Backend(Protocol):
     def abort(self) -> None:
         """From any thread: make a call hanging on a dead server fail now."""
 
-    # Housekeeping and the command line use a second connection, never the lock session.
+
+class LedgerStore(Protocol):
+    """What housekeeping, notices and the commands need: a second connection, never the
+    lock session."""
+
     @property
     def ledger_engine(self) -> Engine:
         """SQLAlchemy engine for ledger reads and chores."""
@@ -165,3 +169,7 @@ class Backend(Protocol):
 
     def lock_holders(self, conn: Connection) -> dict[int, str]:
         """Job key -> instance holding its lock now."""
+
+
+class Backend(LockStore, LedgerStore, Protocol):
+    """A store of locks and ledger rows: PostgreSQL, or the embedded SQLite file."""

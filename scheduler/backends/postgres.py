@@ -6,28 +6,23 @@ claim must take the lock in the same transaction that inserts the tick's row
 of running jobs, and one round trip per batch of claims or of finishes.
 
 How a frozen or cut-off replica loses its locks without any server
-configuration: the session sets its own ``idle_session_timeout`` to
-``holder_timeout``, and the gate sends a heartbeat when the session has been
-quiet for a third of that. A replica that stops talking (SIGSTOP, a long
-pause, a dead network) has its session ended by the server, and its locks
-with it. On the client side, TCP keepalives and ``tcp_user_timeout`` bound how
-long a call can hang on a dead server.
+configuration: see `pg_session.session_timeouts`. The statements it sends are
+named in queries.sql; the gate's steps are the functions of postgres.sql.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Engine, create_engine, event, func, select, text
-from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy import Connection, event, func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from scheduler.backends.base import (
@@ -40,13 +35,23 @@ from scheduler.backends.base import (
     SessionLost,
     Unavailable,
 )
+from scheduler.backends.pg_arrays import pg_bools, pg_numbers, pg_texts, pg_times
+from scheduler.backends.pg_session import (
+    POOLER_MESSAGE,
+    connect_args,
+    ends_session,
+    is_permanent,
+    psycopg_engine,
+    search_path,
+    session_is_kept,
+    session_timeouts,
+)
+from scheduler.backends.queries import QUERIES
 from scheduler.backends.schema import migrate
 from scheduler.errors import ConfigError, PoolerError, one_line
 from scheduler.statuses import CRASHED_LOST_LOCK
 from scheduler.urls import (
     database_url_secrets,
-    libpq_url,
-    parse_database_url,
     redact_database_url,
     scrub,
 )
@@ -57,196 +62,10 @@ PRESENCE_KEY = 0  # every live replica holds (lock_namespace, 0) in share mode
 TAKEOVER_S = 0.1  # a tick left unclaimed this long after its time is anyone's (see the SQL)
 SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
 
-POOLER_MESSAGE = (
-    "the database connection does not keep one server session across transactions: "
-    "a pooler such as PgBouncer in transaction or statement mode sits between this "
-    "replica and PostgreSQL. Advisory locks need a session: set PgBouncer's "
-    "pool_mode = session for this database, or connect to PostgreSQL directly."
-)
-
-_CLAIM = text(
-    "SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from,"
-    " :crashed, CAST(:keys AS integer[]),"
-    " CAST(:names AS text[]), CAST(:ticks AS timestamptz[]), CAST(:intents AS text[]),"
-    " CAST(:graces AS double precision[]), CAST(:thresholds AS integer[]))"
-)
-_FINISH = text(
-    "SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),"
-    " CAST(:ticks AS timestamptz[]), CAST(:run_ids AS bigint[]), CAST(:statuses AS text[]),"
-    " CAST(:errors AS text[]), CAST(:told AS text[]), CAST(:durations AS double precision[]),"
-    " CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]),"
-    " CAST(:next_dues AS timestamptz[]))"
-)
-# SQLSTATEs that end the session itself: a connection failure (class 08), the server
-# shutting down or ending the session (57P01-57P05), or a read-only node (a standby,
-# after a failover). Any other error (a statement or lock timeout, a deadlock) leaves
-# the session and its locks as they were.
-_SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", "25006"}
-
-
-def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:
-    """libpq options: the instance name for pg_stat_activity, and dead-peer detection."""
-    given = parse_database_url(url).option_names
-    wanted: dict[str, Any] = {
-        "application_name": instance,
-        "connect_timeout": max(2, math.ceil(holder_timeout / 3)),
-        "keepalives": 1,
-        "keepalives_idle": max(1, math.ceil(holder_timeout / 3)),
-        "keepalives_interval": max(1, math.ceil(holder_timeout / 9)),
-        "keepalives_count": 3,
-        "tcp_user_timeout": int(holder_timeout * 1000),
-    }
-    return {k: v for k, v in wanted.items() if k not in given}
-
-
-def psycopg_engine(url: str, args: dict[str, Any], **options: Any) -> Engine:
-    """A SQLAlchemy engine that hands the URL to libpq as it is.
-
-    SQLAlchemy's own URL parser cannot read multi-host URLs and splits user
-    and host at another `@` than libpq does; libpq reads it here, once.
-    """
-    engine = create_engine("postgresql+psycopg://", connect_args=args, **options)
-
-    @event.listens_for(engine, "do_connect")
-    def _connect(_dialect: Any, _record: Any, cargs: list[Any], _cparams: Any) -> None:
-        cargs[:] = [libpq_url(url)]
-
-    return engine
-
 
 def share_of(key: int, live: int) -> int:
     """Which live replica's share a job key falls in (as scheduler_share in postgres.sql)."""
     return (key * 2654435761) % 4294967296 % max(live, 1)
-
-
-def search_path(schema: str) -> str:
-    """Every table, function and sequence of a fleet lives in its schema (config: `schema`)."""
-    return f'"{schema}"'
-
-
-def session_timeouts(holder_timeout: float) -> tuple[str, str, str, str]:
-    """The lock session's own limits, so that no server configuration is needed.
-
-    - idle_session_timeout = holder_timeout: a replica that goes quiet (frozen, cut
-      off) has its session ended by the server, and its locks with it; the gate
-      sends a heartbeat after a third of that.
-    - statement_timeout = a third, lock_timeout = a sixth: a claim that waits on a
-      row lock (a slow or frozen peer's transaction) gives up well before the
-      watchdog would doubt the session; the claim is retried, the session kept.
-    - tcp_user_timeout = holder_timeout: a reply the client does not read (a
-      process frozen mid-reply) cannot keep the session past it either.
-    """
-    ms = holder_timeout * 1000
-    return (f"{int(ms)}ms", f"{int(ms / 3)}ms", f"{int(ms / 6)}ms", str(int(ms)))
-
-
-# Array literals, cast server-side. A claim sends several arrays of hundreds of
-# values each: formatting the literal here costs a fraction of adapting every
-# element of a Python list, and one function per element type keeps it cheap.
-
-
-def pg_numbers(values: Iterable[int | float | None]) -> str:
-    return "{" + ",".join("NULL" if v is None else repr(v) for v in values) + "}"
-
-
-def pg_texts(values: Iterable[str | None]) -> str:
-    return "{" + ",".join(map(_text_element, values)) + "}"
-
-
-def pg_times(values: Iterable[datetime | None]) -> str:
-    """A burst's ticks are mostly one instant: each distinct one is formatted once."""
-    formatted: dict[datetime | None, str] = {None: "NULL"}
-    items = []
-    for value in values:
-        item = formatted.get(value)
-        if item is None:
-            assert value is not None
-            item = formatted[value] = f'"{value.isoformat()}"'
-        items.append(item)
-    return "{" + ",".join(items) + "}"
-
-
-def pg_bools(values: Iterable[bool]) -> str:
-    return "{" + ",".join("t" if value else "f" for value in values) + "}"
-
-
-def _text_element(value: str | None) -> str:
-    if value is None:
-        return "NULL"
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def short_connection(url: str, instance: str) -> psycopg.Connection[Any]:
-    """A plain autocommit connection for checks, given up on after 5 s."""
-    args = connect_args(instance, 30.0, url)
-    args["connect_timeout"] = 5
-    return psycopg.connect(libpq_url(url), autocommit=True, **args)
-
-
-def session_is_kept(url: str, instance: str) -> bool:
-    """Does each connection keep its own server session from one transaction to the next?
-
-    Advisory locks belong to a server session; a pooler in transaction or
-    statement mode hands each transaction to whichever server session is
-    free, so a lock would be taken on one session and "released" on another.
-    Two connections take turns asking for their backend's pid: in session
-    mode each keeps its own (never the other's); a transaction-mode pooler
-    hands the same few backends to both.
-    """
-    with short_connection(url, instance) as first, short_connection(url, instance) as second:
-        pids: tuple[set[int], set[int]] = (set(), set())
-        for _ in range(3):
-            for conn, seen in zip((first, second), pids, strict=True):
-                row = conn.execute("SELECT pg_backend_pid()").fetchone()
-                assert row is not None
-                seen.add(int(row[0]))
-    return len(pids[0]) == 1 and len(pids[1]) == 1 and not pids[0] & pids[1]
-
-
-_TRANSIENT_REFUSALS = (
-    "starting up",
-    "shutting down",
-    "not yet accepting",
-    "recovery mode",
-    "too many",
-    "connection slots",
-    "sorry",
-)
-
-
-def is_permanent(exc: BaseException) -> bool:
-    """An error no retry mends: the server refused us for who we are or what we asked.
-
-    Authentication, a role or database that does not exist, a missing
-    privilege. A server that is starting, stopping or full, a refused or
-    timed-out connection, a name that does not resolve: those pass.
-    """
-    original = getattr(exc, "orig", None) or exc
-    if getattr(original, "sqlstate", None) in ("42501", "3D000", "28000", "28P01"):
-        return True
-    text = str(original)
-    if "FATAL:" not in text:
-        return False
-    refusal = text.split("FATAL:", 1)[1]
-    return not any(marker in refusal for marker in _TRANSIENT_REFUSALS)
-
-
-def ends_session(exc: BaseException, conn: Connection | None) -> bool:
-    """Is the session gone with this error, or only the statement that raised it?"""
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    driver = conn.connection.driver_connection if conn is not None and not conn.closed else None
-    if not isinstance(driver, psycopg.Connection) or driver.closed:
-        return True
-    if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
-        return True
-    original = getattr(exc, "orig", exc)
-    if not isinstance(original, psycopg.Error):
-        return isinstance(exc, OperationalError)
-    state = original.sqlstate
-    if state is None:  # raised by the client: the connection failed under it
-        return isinstance(original, psycopg.OperationalError | psycopg.InterfaceError)
-    return state.startswith("08") or state in _SESSION_ENDING
 
 
 class PostgresBackend:
@@ -435,7 +254,7 @@ class PostgresBackend:
             "thresholds": pg_numbers([r.skip_threshold for r in sent]),
         }
         with self._session() as conn:
-            rows = conn.execute(_CLAIM, params).all() if sent else []
+            rows = conn.execute(QUERIES["claim"], params).all() if sent else []
         results = [
             ClaimResult(
                 row.job_key,
@@ -504,10 +323,7 @@ class PostgresBackend:
     def release(self, keys: Sequence[int]) -> None:
         """Release locks a failed claim may have taken (they outlive a rollback)."""
         with self._session() as conn:
-            conn.execute(
-                text("SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k"),
-                {"ns": self.namespace, "keys": pg_numbers(keys)},
-            )
+            conn.execute(QUERIES["release"], {"ns": self.namespace, "keys": pg_numbers(keys)})
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         params = {
@@ -525,7 +341,7 @@ class PostgresBackend:
             "next_dues": pg_times([r.next_due for r in requests]),
         }
         with self._session() as conn:
-            rows = conn.execute(_FINISH, params).all()
+            rows = conn.execute(QUERIES["finish"], params).all()
         return [
             FinishResult(
                 row.job_key,
@@ -543,7 +359,7 @@ class PostgresBackend:
 
     def heartbeat(self) -> datetime:
         with self._session() as conn:
-            now = conn.execute(text("SELECT now()")).scalar_one()
+            now = conn.execute(QUERIES["heartbeat"]).scalar_one()
         assert isinstance(now, datetime)
         return now
 
@@ -561,35 +377,15 @@ class PostgresBackend:
 
     def free_locks(self, conn: Connection, keys: Sequence[int]) -> set[int]:
         """Which of these job locks no session of this database holds right now."""
-        held = {
-            row.key
-            for row in conn.execute(
-                text("SELECT key FROM scheduler_locks(:ns)"), {"ns": self.namespace}
-            )
-        }
+        held = {row.key for row in conn.execute(QUERIES["held_locks"], {"ns": self.namespace})}
         return {key for key in keys if key not in held}
 
     def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
         """Replicas whose lock session is up: they hold (lock_namespace, 0) in share mode."""
-        rows = conn.execute(
-            text(
-                "SELECT a.application_name AS name, a.backend_start AS since,"
-                " host(a.client_addr) AS address, a.pid"
-                " FROM scheduler_locks(:ns) l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE l.key = 0 AND l.shared ORDER BY a.application_name"
-            ),
-            {"ns": self.namespace},
-        )
+        rows = conn.execute(QUERIES["live_instances"], {"ns": self.namespace})
         return [dict(row._mapping) for row in rows]
 
     def lock_holders(self, conn: Connection) -> dict[int, str]:
         """Job key -> the instance whose session holds its lock right now."""
-        rows = conn.execute(
-            text(
-                "SELECT l.key, a.application_name AS name"
-                " FROM scheduler_locks(:ns) l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE l.key BETWEEN 1 AND 2147483647 AND NOT l.shared"
-            ),
-            {"ns": self.namespace},
-        )
+        rows = conn.execute(QUERIES["lock_holders"], {"ns": self.namespace})
         return {int(row.key): row.name for row in rows}

@@ -60,6 +60,16 @@ CREATE TYPE scheduler_tick AS (
     holder_since timestamptz
 );
 
+-- Whose run holds a job now: its newest `running` row, other than ticks of this claim.
+CREATE FUNCTION scheduler_holder(
+    p_key integer, p_ticks scheduler_tick[], OUT instance text, OUT since timestamptz
+) LANGUAGE sql STABLE AS $$
+    SELECT r.instance, r.started_at FROM scheduler_ticks r
+     WHERE r.job_key = p_key AND r.status = 'running'
+       AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c)
+     ORDER BY r.scheduled_at DESC LIMIT 1
+$$;
+
 -- Step 1. Choose: what this claim tries to insert.
 --   manual     -> running (its lock is taken first, below)
 --   skip       -> skipped (this replica still runs the job; late or not, it is recorded)
@@ -113,10 +123,8 @@ BEGIN
     FOR t IN SELECT * FROM unnest(p_ticks) ORDER BY tick, key LOOP
         IF t.intent = 'manual' AND NOT pg_try_advisory_lock(p_namespace, t.key) THEN
             t.fate := 'held';
-            SELECT r.instance, r.started_at INTO t.holder, t.holder_since
-              FROM scheduler_ticks r
-             WHERE r.job_key = t.key AND r.status = 'running'
-             ORDER BY r.scheduled_at DESC LIMIT 1;
+            SELECT h.instance, h.since INTO t.holder, t.holder_since
+              FROM scheduler_holder(t.key, '{}') h;
         END IF;
         RETURN NEXT t;
     END LOOP;
@@ -180,11 +188,8 @@ BEGIN
     WITH skipped AS (
         SELECT s.* FROM unnest(p_ticks) s WHERE s.fate = 'skipped'
     ), holders AS (
-        SELECT DISTINCT ON (r.job_key) r.job_key, r.instance, r.started_at
-          FROM scheduler_ticks r
-         WHERE r.job_key IN (SELECT skipped.key FROM skipped) AND r.status = 'running'
-           AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c)
-         ORDER BY r.job_key, r.scheduled_at DESC
+        SELECT DISTINCT s.key AS job_key, h.instance, h.since AS started_at
+          FROM skipped s, LATERAL scheduler_holder(s.key, p_ticks) h
     ), updated AS (
         UPDATE scheduler_ticks r
            SET status = 'skipped', run_id = NULL, started_at = NULL, holder = h.instance

@@ -9,7 +9,7 @@ the names given here (PostgreSQL: `backends/postgres.sql`; one host:
    tick's identity, never "now". The tick waits in the queue (`ticks.py`)
    until the dispatcher thread, which alone talks to the backend, claims
    every waiting tick in one round trip.
-2. Claim (`scheduler_claim`):
+2. Claim (`claims.py`; the backends' `scheduler_claim`):
    - choose: a tick past its misfire grace (by the database clock, the same for
      every replica) is recorded `missed`; a burst is shared out, each live
      replica trying its own share first (a tick still unclaimed a moment
@@ -31,14 +31,15 @@ the names given here (PostgreSQL: `backends/postgres.sql`; one host:
    A replica never asks for a lock it holds (advisory locks stack within a
    session): a tick of a job it is still running is claimed with intent
    `skip`, and recorded skipped without touching the lock.
-3. The run executes on a worker thread with a `RunContext`; `ctx.stopping`
-   is set when the daemon shuts down, `ctx.lock_lost` the moment this replica
-   can no longer prove it holds the lock.
-4. Finish (`scheduler_finish`): the run's row is updated only if it is still
-   `running` with this run_id (a stale run never overwrites what replaced
-   it); the failure streak and the skip overrun are settled; then the lock is
-   released. Notices (alerts, recoveries) are written in the same
-   transaction as the state change they announce (`scheduler.notices`).
+3. The run (`runs.py`) executes on a worker thread with a `RunContext`;
+   `ctx.stopping` is set when the daemon shuts down, `ctx.lock_lost` the
+   moment this replica can no longer prove it holds the lock.
+4. Finish (`finishes.py`; the backends' `scheduler_finish`): the run's row
+   is updated only if it is still `running` with this run_id (a stale run
+   never overwrites what replaced it); the failure streak and the skip
+   overrun are settled; then the lock is released. Notices (alerts,
+   recoveries) are written in the same transaction as the state change they
+   announce (`scheduler.notices`).
 5. The lock session (`session.py`): the server ends it if this replica goes
    quiet for `holder_timeout` (frozen, cut off), so its locks pass to others.
    A margin earlier, every local run's `ctx.lock_lost` is set, then the
@@ -63,34 +64,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from scheduler import events
-from scheduler.backends.base import (
-    Backend,
-    ClaimRequest,
-    ClaimResult,
-    FinishRequest,
-    FinishResult,
-    Intent,
-    Outcome,
-    SessionLost,
-)
+from scheduler.backends.base import LockStore, Outcome, SessionLost
 from scheduler.catalog import CatalogJob
-from scheduler.context import RunContext
-from scheduler.gate.session import Backoff, Generation, LockSession
-from scheduler.gate.ticks import Batch, Running, TickQueue
+from scheduler.gate.claims import Claims, Won, claim_request
+from scheduler.gate.finishes import Finishes
+from scheduler.gate.runs import ManualResult, Run, prepare
+from scheduler.gate.session import Backoff, LockSession
+from scheduler.gate.ticks import Running, TickQueue
 from scheduler.runner import execute
-from scheduler.schedules import tick_after
-from scheduler.statuses import CRASHED_AT_SHUTDOWN, Status, Told
-from scheduler.text import storable
+from scheduler.statuses import CRASHED_AT_SHUTDOWN, Status
 from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
-
-YIELDED_RETRY = 0.1  # seconds before trying a tick left to another replica's share
-PLACEHOLDER_ERROR = "(the job's error text could not be stored: {reason})"
 
 Clock = Callable[[], datetime]
 Monotonic = Callable[[], float]
@@ -100,54 +88,16 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
-    return ClaimRequest(
-        key=job.key,
-        name=job.name,
-        scheduled_at=tick,
-        intent=intent,
-        grace_s=job.misfire_grace.total_seconds(),
-        skip_threshold=job.skip_threshold,
-    )
-
-
-@dataclass
-class Run:
-    """A run executing on this replica."""
-
-    job: CatalogJob
-    ctx: RunContext
-    generation: Generation  # of the session that took the lock; the lock is gone with it
-    started: float  # monotonic
-    manual: Future[ManualResult] | None = None
-    ended: Ending | None = None  # set when the job has returned (or was given up)
-
-
-@dataclass(frozen=True)
-class Ending:
-    """How a run ended, as the finish records it."""
-
-    status: Status
-    error: str | None
-    duration_s: float
-    told: str | None
-
-
-@dataclass(frozen=True)
-class ManualResult:
-    outcome: Outcome
-    status: Status | None = None
-    error: str | None = None
-    run_id: int | None = None
-    holder: str | None = None
-
-
 class Gate:
-    """Decides, for each tick this replica sees, whether it runs here; and runs it."""
+    """Decides, for each tick this replica sees, whether it runs here; and runs it.
+
+    One dispatcher thread does every step against the backend (`step`); the
+    runs execute on worker threads; the watchdog watches the lock session.
+    """
 
     def __init__(
         self,
-        backend: Backend,
+        backend: LockStore,
         *,
         instance: str,
         max_workers: int,
@@ -168,23 +118,36 @@ class Gate:
             holder_timeout,
             monotonic,
             on_told=self._told,
-            on_up=lambda: self._emit(events.SessionUp(self.instance, backend.name)),
+            on_up=lambda: self._emit(events.LockSessionUp(self.instance, backend.name)),
         )
         self.queue = TickQueue(monotonic)
-        self._mutex = threading.Lock()  # runs, finishes, manual requests
+        self.claims = Claims(
+            backend,
+            self.session,
+            self.queue,
+            instance=instance,
+            emit=self._emit,
+            start=self._start_runs,
+        )
+        self.finishes = Finishes(
+            backend,
+            self.session,
+            instance=instance,
+            monotonic=monotonic,
+            emit=self._emit,
+            wake=self._wake,
+        )
+        self._mutex = threading.Lock()  # the runs and the manual requests
         self._runs: dict[int, Run] = {}  # job key -> run executing here
-        self._finished: list[Run] = []  # runs that ended, their finish not recorded yet
         self._manual: list[tuple[CatalogJob, datetime, Future[ManualResult]]] = []
         self._stopping_runs = threading.Event()  # one per daemon: every run shares it
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
-        self._paused_until = 0.0  # after a finish that failed for another reason than the session
         self._workers = Workers(max_workers)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
-        self._watchdog: threading.Thread | None = None
         self._last_loop = monotonic()
 
     # -- the outside world -----------------------------------------------------------
@@ -224,12 +187,12 @@ class Gate:
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gate", daemon=True)
-        self._watchdog = threading.Thread(
+        watchdog = threading.Thread(
             target=self.session.watch, args=(self._stopped, self._wake), name="gate-watchdog"
         )
-        self._watchdog.daemon = True
+        watchdog.daemon = True
         self._thread.start()
-        self._watchdog.start()
+        watchdog.start()
 
     def running_jobs(self) -> list[str]:
         with self._mutex:
@@ -267,7 +230,7 @@ class Gate:
         if abandoned:
             self.session.tell("still running when shutdown_grace ran out")
             for run in abandoned:
-                self._ended(run, Status.CRASHED, CRASHED_AT_SHUTDOWN.format(grace=grace))
+                self.finishes.ended(run, Status.CRASHED, CRASHED_AT_SHUTDOWN.format(grace=grace))
         self._flush_finishes(self.monotonic() + max(5.0, self.session.heartbeat_every))
         self._stopped.set()
         self._wake()
@@ -281,8 +244,9 @@ class Gate:
     def _flush_finishes(self, deadline: float) -> None:
         while self.monotonic() < deadline:
             with self._mutex:
-                if not self._finished and not any(run.ended for run in self._runs.values()):
-                    return
+                ended = any(run.ended for run in self._runs.values())
+            if not ended and not self.finishes.pending():
+                return
             self._wake()
             self._stopped.wait(0.02)
 
@@ -317,10 +281,10 @@ class Gate:
         if not self.session.connected:
             return wait
         now = self.monotonic()
-        if now < self._paused_until:
-            wait = min(wait, self._paused_until - now)
+        if self.finishes.pending():
+            wait = min(wait, max(0.0, self.finishes.paused_until - now))
         with self._mutex:
-            if self._finished or self._manual:
+            if self._manual:
                 return 0.0
         due = self.queue.next_due(self._free_slots())
         if due is not None:
@@ -341,10 +305,9 @@ class Gate:
         if session.in_doubt():
             session.lose("no round trip succeeded within holder_timeout")
             return
-        if self.monotonic() >= self._paused_until:
-            self._guard(self._record_finishes)
+        self._guard(self._record_finishes)
         self._guard(self._claim_manual)
-        self._guard(self._claim_queued)
+        self._guard(lambda: self.claims.queued(self._free_slots(), self._running))
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
 
@@ -367,9 +330,29 @@ class Gate:
         with self._mutex:
             told = [r.job.name for r in self._runs.values() if r.generation.number == generation]
         if first or told:
-            self._emit(events.SessionLost(self.instance, reason, tuple(told)))
+            self._emit(events.LockSessionLost(self.instance, reason, tuple(told)))
 
-    # -- claims ----------------------------------------------------------------------
+    def _record_finishes(self) -> None:
+        for run in self.finishes.record():
+            with self._mutex:
+                if self._runs.get(run.job.key) is run:
+                    del self._runs[run.job.key]
+
+    def _claim_manual(self) -> None:
+        with self._mutex:
+            manual, self._manual = self._manual, []
+        for job, tick, result in manual:
+            if job.key in self._runs:
+                result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
+                continue
+            try:
+                self.claims.manual(job, tick, result)
+            except SessionLost:
+                with self._mutex:
+                    self._manual.append((job, tick, result))
+                raise
+
+    # -- runs ------------------------------------------------------------------------
 
     def _free_slots(self) -> int:
         with self._mutex:
@@ -381,106 +364,7 @@ class Gate:
             return Running.NOT
         return Running.LOST if run.generation.lock_lost.is_set() else Running.HERE
 
-    def _claim_queued(self) -> None:
-        """Claim the queued ticks: the healthy ones in one round trip, failed ones apart."""
-        with self._mutex:
-            batches = self.queue.take(self.max_workers - len(self._runs), self._running)
-        for batch in batches:
-            self._claim_batch(batch)
-
-    def _claim_batch(self, batch: Batch) -> None:
-        requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
-        capacity = self._free_slots()
-        try:
-            results = self._claim(requests, capacity)
-        except SessionLost:
-            self.queue.put_back(batch.entries)
-            raise
-        except Exception as exc:
-            log.warning("claiming %d tick(s) failed (%s); trying again shortly", len(requests), exc)
-            self.queue.put_back(batch.entries, failed=True)
-            return
-        jobs = {job.key: job for job, _, _ in batch.requests}
-        # Start the runs before any bookkeeping: their lateness is what counts.
-        self._start_runs([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN])
-        for result in results:
-            job = jobs[result.key]
-            if result.outcome is Outcome.DEFERRED:  # tried again when a worker frees
-                self.queue.requeue(job, result.scheduled_at)
-            elif result.outcome is Outcome.YIELDED:  # tried again once anyone may take it
-                self.queue.requeue(job, result.scheduled_at, delay=YIELDED_RETRY)
-            elif result.outcome is not Outcome.RUN:
-                self._report_claim(job, result)
-
-    def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
-        """One round trip; a failed claim may leave locks it took (they outlive rollbacks)."""
-        try:
-            results = self.session.round_trip(
-                lambda: self.backend.claim(requests, self.instance, capacity)
-            )
-        except SessionLost:
-            raise
-        except Exception:
-            keys = [r.key for r in requests if r.intent in (Intent.RUN, Intent.MANUAL)]
-            if keys:
-                try:
-                    self.session.round_trip(lambda: self.backend.release(keys))
-                except SessionLost:
-                    raise
-                except Exception as exc:
-                    raise SessionLost(f"cannot release locks after a failed claim: {exc}") from exc
-            raise
-        assert isinstance(results, list)
-        return results
-
-    def _claim_manual(self) -> None:
-        with self._mutex:
-            manual, self._manual = self._manual, []
-        for job, tick, result in manual:
-            if job.key in self._runs:
-                result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
-                continue
-            try:
-                (claimed,) = self._claim([claim_request(job, tick, Intent.MANUAL)], capacity=1)
-            except SessionLost:
-                with self._mutex:
-                    self._manual.append((job, tick, result))
-                raise
-            except Exception as exc:
-                result.set_result(ManualResult(Outcome.LOST, error=str(exc)))
-                continue
-            if claimed.outcome is Outcome.RUN:
-                self._start_runs([(job, claimed)], manual=result)
-            else:
-                result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
-                self._report_claim(job, claimed)
-
-    def _report_claim(self, job: CatalogJob, result: ClaimResult) -> None:
-        if result.outcome is Outcome.SKIPPED:
-            self._emit(
-                events.TickSkipped(
-                    job=job.name,
-                    key=job.key,
-                    scheduled_at=result.scheduled_at,
-                    instance=self.instance,
-                    holder=result.holder,
-                    holder_since=result.holder_since,
-                    consecutive_skips=result.consecutive_skips or 0,
-                    threshold=job.skip_threshold,
-                    alert=result.alert,
-                    notices=result.notices,
-                )
-            )
-        elif result.outcome is Outcome.MISSED:
-            self._emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))
-
-    # -- runs ------------------------------------------------------------------------
-
-    def _start_runs(
-        self,
-        won: list[tuple[CatalogJob, ClaimResult]],
-        manual: Future[ManualResult] | None = None,
-    ) -> None:
+    def _start_runs(self, won: Won, manual: Future[ManualResult] | None) -> None:
         """Hand the runs to workers; each worker reports its own start.
 
         Everything a run needs is prepared first and the hand-over is one
@@ -490,175 +374,29 @@ class Gate:
         if not won:
             return
         generation, now = self.session.generation, self.monotonic()
-        ready = [self._prepare(job, result, generation, now, manual) for job, result in won]
+        ready = [
+            prepare(
+                job,
+                result,
+                instance=self.instance,
+                generation=generation,
+                stopping=self._stopping_runs,
+                started=now,
+                clock=self.clock,
+                manual=manual,
+            )
+            for job, result in won
+        ]
         with self._mutex:
             for run, _ in ready:
                 self._runs[run.job.key] = run
         run_one = self._execute
         self._workers.submit_all([(run_one, (run, started)) for run, started in ready])
 
-    def _prepare(
-        self,
-        job: CatalogJob,
-        result: ClaimResult,
-        generation: Generation,
-        now: float,
-        manual: Future[ManualResult] | None,
-    ) -> tuple[Run, events.RunStarted]:
-        assert result.run_id is not None
-        ctx = RunContext(
-            job_name=job.name,
-            key=job.key,
-            scheduled_at=result.scheduled_at,
-            instance=self.instance,
-            run_id=result.run_id,
-            lock_lost=generation.lock_lost,
-            stopping=self._stopping_runs,
-            log=logging.LoggerAdapter(
-                job.log,
-                {
-                    "job": job.name,
-                    "key": job.key,
-                    "run_id": result.run_id,
-                    "scheduled_at": result.scheduled_at.isoformat(),
-                },
-            ),
-        )
-        started = events.RunStarted(
-            job=job.name,
-            key=job.key,
-            scheduled_at=result.scheduled_at,
-            run_id=result.run_id,
-            instance=self.instance,
-            lateness_s=((result.started_at or self.clock()) - result.scheduled_at).total_seconds(),
-            manual=manual is not None,
-            crashed=result.crashed,
-            skips_ended=result.consecutive_skips or 0,
-            ping_url=job.ping_url,
-        )
-        return Run(job=job, ctx=ctx, generation=generation, started=now, manual=manual), started
-
     def _execute(self, run: Run, started: events.RunStarted) -> None:
         self._emit(started)  # listeners are thread-safe
         status, error = execute(run.job.spec, run.ctx)
-        self._ended(run, status, error)
-
-    def _ended(self, run: Run, status: Status, error: str | None) -> None:
-        signals = ((Told.STOPPING, run.ctx.stopping), (Told.LOCK_LOST, run.ctx.lock_lost))
-        told = ",".join(name for name, event in signals if event.is_set()) or None
-        ending = Ending(status, error, self.monotonic() - run.started, told)
-        with self._mutex:
-            if run.ended is not None:
-                return  # already recorded (given up at shutdown)
-            run.ended = ending
-            first = not self._finished
-            self._finished.append(run)
-        if first:
-            self._wake()  # later ones join the batch the dispatcher is about to take
-
-    # -- finishes --------------------------------------------------------------------
-
-    def _record_finishes(self) -> None:
-        with self._mutex:
-            batch, self._finished = self._finished, []
-        if not batch:
-            return
-        batch.sort(key=lambda run: (run.ctx.scheduled_at, run.job.key))  # the common order
-        try:
-            results = self._finish(batch)
-        except SessionLost:
-            with self._mutex:
-                self._finished[:0] = batch
-            raise
-        except Exception as exc:
-            log.warning("recording %d finished run(s) failed (%s); one by one", len(batch), exc)
-            results, left = self._finish_one_by_one(batch)
-            if left:
-                with self._mutex:
-                    self._finished[:0] = left
-                self._paused_until = self.monotonic() + 1.0
-        by_key = {(r.key, r.scheduled_at): r for r in results}
-        for run in batch:
-            outcome = by_key.get((run.job.key, run.ctx.scheduled_at))
-            if outcome is None:
-                continue  # not recorded yet: tried again
-            with self._mutex:
-                if self._runs.get(run.job.key) is run:
-                    del self._runs[run.job.key]
-            self._report_finish(run, outcome)
-
-    def _finish(self, runs: list[Run], placeholder: str | None = None) -> list[FinishResult]:
-        requests = [self._finish_request(run, placeholder) for run in runs]
-        results = self.session.round_trip(lambda: self.backend.finish(requests))
-        assert isinstance(results, list)
-        return results
-
-    def _finish_one_by_one(self, batch: list[Run]) -> tuple[list[FinishResult], list[Run]]:
-        """One row's trouble (its error text, say) must not keep the others unrecorded."""
-        results: list[FinishResult] = []
-        left: list[Run] = []
-        for run in batch:
-            try:
-                results += self._finish([run])
-            except SessionLost:
-                raise
-            except Exception as exc:
-                try:
-                    results += self._finish([run], placeholder=PLACEHOLDER_ERROR.format(reason=exc))
-                except SessionLost:
-                    raise
-                except Exception:
-                    log.exception("cannot record the finish of %s; trying again", run.job.name)
-                    left.append(run)
-        return results, left
-
-    def _finish_request(self, run: Run, placeholder: str | None) -> FinishRequest:
-        ending = run.ended
-        assert ending is not None
-        job = run.job
-        error = storable(ending.error) if placeholder is None else placeholder
-        return FinishRequest(
-            key=job.key,
-            scheduled_at=run.ctx.scheduled_at,
-            run_id=run.ctx.run_id,
-            status=ending.status,
-            error=None if ending.error is None else error,
-            unlock=run.generation is self.session.generation,
-            fail_threshold=job.fail_threshold,
-            told=ending.told,
-            duration_s=round(ending.duration_s, 6),
-            next_due=tick_after(job.trigger, run.ctx.scheduled_at) if job.scheduled else None,
-        )
-
-    def _report_finish(self, run: Run, outcome: FinishResult) -> None:
-        ending = run.ended
-        assert ending is not None
-        self._emit(
-            events.RunFinished(
-                job=run.job.name,
-                key=run.job.key,
-                scheduled_at=run.ctx.scheduled_at,
-                run_id=run.ctx.run_id,
-                instance=self.instance,
-                status=ending.status,
-                error=ending.error,
-                duration_s=ending.duration_s,
-                recorded=outcome.recorded,
-                lock_lost=run.ctx.lock_lost.is_set(),
-                told=ending.told,
-                consecutive_failures=outcome.consecutive_failures,
-                failures_threshold=run.job.fail_threshold,
-                failures_alert=outcome.alert,
-                failures_recovered=outcome.recovered,
-                skips_recovered=outcome.skips_recovered,
-                notices=outcome.notices,
-                ping_url=run.job.ping_url,
-            )
-        )
-        if run.manual is not None:
-            run.manual.set_result(
-                ManualResult(Outcome.RUN, ending.status, ending.error, run.ctx.run_id)
-            )
+        self.finishes.ended(run, status, error)
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -679,4 +417,4 @@ class Gate:
                 pass
 
 
-__all__ = ["Backoff", "Gate", "ManualResult", "Run", "utc_now"]
+__all__ = ["Backoff", "Gate", "ManualResult", "Run", "claim_request", "utc_now"]

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.backends.base import Backend, SessionLost, Unavailable
+from scheduler.backends.base import LockStore, SessionLost, Unavailable
 
 log = logging.getLogger("scheduler.gate")
 
@@ -58,7 +58,7 @@ class LockSession:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: LockStore,
         holder_timeout: float,
         monotonic: Monotonic,
         on_told: Callable[[int, str, bool], None],

@@ -150,9 +150,11 @@ class TickQueue:
                 return
             for entry in entries:
                 if failed:
+                    # A batch that failed is tried again at once, each entry alone, to find
+                    # the one the database cannot take now; a lone failure waits longer.
                     entry.failures += 1
                     wait = min(RETRY_CAP, RETRY_FIRST * 2 ** (entry.failures - 1))
-                    entry.not_before = now + wait
+                    entry.not_before = now + (wait if len(entries) == 1 else 0.0)
                 else:
                     entry.failures = 0
                     entry.not_before = now + delay

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from scheduler.backends import embedded
+from scheduler.backends import filelocks
 from scheduler.backends.base import Unavailable
 from scheduler.backends.embedded import EmbeddedBackend
 
@@ -61,18 +61,18 @@ def test_a_presence_file_unlinked_before_it_is_locked_is_made_again(tmp_path, mo
     """`status` sweeps presence files nobody holds: it may unlink ours between open and flock."""
     a = replica(tmp_path, "a")
     a.close()
-    real_flock = embedded.fcntl.flock
+    real_flock = filelocks.fcntl.flock
     raced = []
 
     def flock(fd, operation):
-        if operation == embedded.fcntl.LOCK_SH and not raced:
+        if operation == filelocks.fcntl.LOCK_SH and not raced:
             raced.append(True)
             (a.locks.folder / "instances" / "b.lock").unlink()  # the sweep got there first
         return real_flock(fd, operation)
 
-    monkeypatch.setattr(embedded.fcntl, "flock", flock)
+    monkeypatch.setattr(filelocks.fcntl, "flock", flock)
     b = replica(tmp_path, "b")
-    monkeypatch.setattr(embedded.fcntl, "flock", real_flock)
+    monkeypatch.setattr(filelocks.fcntl, "flock", real_flock)
     assert raced
     assert [i["name"] for i in b.live_instances(None)] == ["b"]
     b.close()

@@ -1,5 +1,7 @@
-"""Guarantees 2 to 6 under injected faults: frozen, cut-off and killed replicas, killed
-sessions, a database restart, and signals. Real replicas, real PostgreSQL."""
+"""What happens when things break (README: Faults): frozen, cut-off and killed replicas,
+killed sessions, a database restart, and signals. No tick runs twice; a replica that lost
+its lock is told, and its late finish changes nothing; the others take over and go on; a
+stopping replica starts nothing new. Real replicas, real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -17,21 +19,7 @@ from tests.support import Fleet, Proxy, host_port, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
-LONG = """
-@job(key=41)
-def long_job(ctx: RunContext) -> None:
-    exclusive(ctx, 20, until_stopping=False)
-"""
-QUICK = """
-@job(key=42)
-def quick(ctx: RunContext) -> None:
-    exclusive(ctx, 0.001)
-"""
-THREE_SECONDS = """
-@job(key=43)
-def three_seconds(ctx: RunContext) -> None:
-    exclusive(ctx, 3, until_stopping=False)
-"""
+JOBS = ["chaos.py"]  # long_job (20 s), quick (1 ms), three_seconds (3 s)
 
 
 def assert_no_tick_twice(fleet: Fleet) -> None:
@@ -48,7 +36,7 @@ def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
         database_url,
         {"long_job": {"interval": "2s"}},
         settings={"holder_timeout": 6},
-        job_code=LONG,
+        job_files=JOBS,
     )
     fleet.start("r1")
     fleet.start("r2")
@@ -87,7 +75,7 @@ def test_a_frozen_replica_loses_its_lock_and_its_late_finish_changes_nothing(
 
 
 def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, database_url):
-    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_code=QUICK)
+    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_files=JOBS)
     fleet.start("r1")
     fleet.start("r2")
     try:
@@ -115,9 +103,7 @@ def test_killing_every_session_keeps_replicas_up_and_ticks_resume(tmp_path, data
 
 
 def test_sigterm_mid_run_lets_the_run_finish_and_starts_nothing_new(tmp_path, database_url):
-    fleet = Fleet(
-        tmp_path, database_url, {"three_seconds": {"interval": "4s"}}, job_code=THREE_SECONDS
-    )
+    fleet = Fleet(tmp_path, database_url, {"three_seconds": {"interval": "4s"}}, job_files=JOBS)
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
@@ -137,7 +123,7 @@ def test_sigterm_mid_run_lets_the_run_finish_and_starts_nothing_new(tmp_path, da
 
 
 def test_a_second_signal_exits_at_once(tmp_path, database_url):
-    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}}, job_code=LONG)
+    fleet = Fleet(tmp_path, database_url, {"long_job": {"interval": "2s"}}, job_files=JOBS)
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
@@ -163,7 +149,7 @@ def _signal_thread(pid: int, tid: int, signum: int) -> None:
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="tgkill's number is x86_64's")
 def test_sigterm_received_by_another_thread_still_stops_the_replica(tmp_path, database_url):
-    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_code=QUICK)
+    fleet = Fleet(tmp_path, database_url, {"quick": {"interval": "1s"}}, job_files=JOBS)
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
@@ -185,7 +171,7 @@ def test_a_cut_off_replica_loses_its_lock_then_rejoins(tmp_path, database_url):
         database_url,
         {"long_job": {"interval": "2s"}},
         settings={"holder_timeout": 6},
-        job_code=LONG,
+        job_files=JOBS,
     )
     cut_off = fleet.start("cut", env={"SCHEDULER_DATABASE_URL": proxy.url(database_url)})
     try:
@@ -229,7 +215,7 @@ def own_server():
 
 
 def test_replicas_survive_a_database_restart(tmp_path, own_server):
-    fleet = Fleet(tmp_path, own_server.url(), {"quick": {"interval": "1s"}}, job_code=QUICK)
+    fleet = Fleet(tmp_path, own_server.url(), {"quick": {"interval": "1s"}}, job_files=JOBS)
     fleet.start("r1")
     fleet.start("r2")
     try:
@@ -257,7 +243,7 @@ def test_catch_up_latest_runs_the_tick_missed_while_the_fleet_was_down(tmp_path,
         tmp_path,
         database_url,
         {"quick": {**schedule, "catch_up": "latest"}, "long_job": schedule},
-        job_code=QUICK + LONG,
+        job_files=JOBS,
     )
     fleet.start("r1")
     fleet.start("r2")

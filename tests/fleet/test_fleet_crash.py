@@ -1,5 +1,5 @@
-"""Guarantee 3: a replica killed mid-run frees its locks at once; the next tick runs
-elsewhere; the killed run is recorded `crashed`."""
+"""A replica killed mid-run frees its locks at once; the next tick runs elsewhere; the
+killed run is recorded `crashed` (README: Faults)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,13 @@ from tests.support import Fleet, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
-JOBS = """
-@job(key=21)
-def long_job(ctx: RunContext) -> None:
-    exclusive(ctx, 30)
-"""
+JOBS = ["crash.py"]  # long_job: 30 s
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "embedded"])
 def test_sigkill_mid_run_next_tick_runs_elsewhere(tmp_path, request, backend):
     url = request.getfixturevalue("database_url") if backend == "postgresql" else None
-    fleet = Fleet(tmp_path, url, {"long_job": {"interval": "2s"}}, job_code=JOBS)
+    fleet = Fleet(tmp_path, url, {"long_job": {"interval": "2s"}}, job_files=JOBS)
     fleet.start("r1")
     fleet.start("r2")
     try:

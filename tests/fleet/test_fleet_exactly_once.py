@@ -1,4 +1,5 @@
-"""Guarantee 1: while a replica is healthy, every tick runs on exactly one replica.
+"""While a replica is healthy, every tick runs on exactly one replica, with clocks skewed
+between replicas and with jobs that finish in a millisecond (README: How a tick runs).
 
 Real `scheduler run` processes against a real PostgreSQL; the evidence is
 what the jobs themselves wrote, not the ledger under test.
@@ -18,16 +19,7 @@ from tests.support import Fleet, assert_exactly_once, whole_seconds
 
 pytestmark = pytest.mark.fleet
 
-JOBS = """
-@job(key=11)
-def every_second(ctx: RunContext) -> None:
-    exclusive(ctx, 0.001)
-
-
-@job(key=12)
-def cron_second(ctx: RunContext) -> None:
-    exclusive(ctx, 0.001)
-"""
+JOBS = ["exactly_once.py"]  # every_second, cron_second: 1 ms each
 SCHEDULES = {"every_second": {"interval": "1s"}, "cron_second": {"cron": "* * * * * *"}}
 WINDOW_S = 12
 
@@ -72,7 +64,7 @@ def _sqlite_rows(fleet: Fleet) -> list[dict]:
 
 
 def test_three_replicas_run_each_tick_once(tmp_path, database_url):
-    fleet = Fleet(tmp_path, database_url, SCHEDULES, job_code=JOBS)
+    fleet = Fleet(tmp_path, database_url, SCHEDULES, job_files=JOBS)
     evidence = _run_fleet(fleet, {"r1": None, "r2": None, "r3": None})
     instances = {e["instance"] for e in evidence}
     assert len(instances) >= 2, f"expected the work spread over replicas, got {instances}"
@@ -83,7 +75,7 @@ def test_skewed_clocks_still_run_each_tick_once(tmp_path, database_url):
         if os.environ.get("CI"):
             pytest.fail("faketime is required in CI (apt-get install faketime)")
         pytest.skip("faketime not installed (apt-get install faketime)")
-    fleet = Fleet(tmp_path, database_url, SCHEDULES, job_code=JOBS)
+    fleet = Fleet(tmp_path, database_url, SCHEDULES, job_files=JOBS)
     evidence = _run_fleet(fleet, {"ahead": "+0.45s", "behind": "-0.45s", "exact": None})
     # The skew was in effect: the replica whose clock runs ahead fires first and wins
     # most ticks; the others' triggers fire after its 1 ms runs have ended, and a
@@ -94,7 +86,7 @@ def test_skewed_clocks_still_run_each_tick_once(tmp_path, database_url):
 
 def test_embedded_mode_two_replicas_in_one_folder_run_each_tick_once(tmp_path):
     """No database configured: SQLite and file locks coordinate the processes of one host."""
-    fleet = Fleet(tmp_path, None, SCHEDULES, job_code=JOBS)
+    fleet = Fleet(tmp_path, None, SCHEDULES, job_files=JOBS)
     evidence = _run_fleet(fleet, {"r1": None, "r2": None})
     assert "coordinates the processes of this host only" in fleet.logs()
     assert (tmp_path / "scheduler.db").exists()

@@ -21,19 +21,10 @@ from tests.support import Fleet, Receiver, cli, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
-POISON = """
-import os as _os
-
-@job(key=71)
-def healthy(ctx: RunContext) -> None:
-    exclusive(ctx, 0.001)
-
-
-@job(key=72)
-def poisoned(ctx: RunContext) -> None:
-    name = _os.fsdecode(b"report-\\xff.csv")  # a lone surrogate, as file names bring
-    raise ValueError("upstream said: \\x00\\x01 garbage in " + name)
-"""
+# healthy; poisoned (an error text with NUL and a lone surrogate); careful (raises
+# Interrupted once told); overrun (its first two runs take 8 s on a 2 s grid); lingering
+# (leaves a thread running, and its error text tries to forge a log line).
+JOBS = ["truth.py"]
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "embedded"])
@@ -44,7 +35,7 @@ def test_a_poisoned_error_text_stops_nothing_else(tmp_path, request, backend):
         url,
         {"healthy": {"interval": "1s"}, "poisoned": {"interval": "1s"}},
         settings={"fail_alert_after": 1000},
-        job_code=POISON,
+        job_files=JOBS,
     )
     fleet.start("r1")
     try:
@@ -69,25 +60,13 @@ def test_a_poisoned_error_text_stops_nothing_else(tmp_path, request, backend):
     assert not [r for r in after if r["status"] == "running"], after
 
 
-TOLD = """
-from scheduler import Interrupted
-
-@job(key=73)
-def careful(ctx: RunContext) -> None:
-    record(ctx, event="start")
-    while not (ctx.stopping.is_set() or ctx.lock_lost.is_set()):
-        threading.Event().wait(0.02)
-    raise Interrupted("told to stop; the rest waits for the next run")
-"""
-
-
 def test_a_run_that_stops_when_told_is_recorded_interrupted(tmp_path, database_url):
     fleet = Fleet(
         tmp_path,
         database_url,
         {"careful": {"interval": "2s"}},
         settings={"shutdown_grace": 20, "fail_alert_after": 1},
-        job_code=TOLD,
+        job_files=JOBS,
     )
     replica = fleet.start("r1")
     try:
@@ -122,19 +101,6 @@ def test_a_run_that_stops_when_told_is_recorded_interrupted(tmp_path, database_u
     assert failures == 0  # an interruption is no failure
 
 
-OVERRUN = """
-@job(key=74)
-def overrun(ctx: RunContext) -> None:
-    marker = os.path.join(os.path.dirname(EVIDENCE), "slow-runs")
-    done = int(open(marker).read()) if os.path.exists(marker) else 0
-    if done < 2:  # the first two runs take 8 s on a 2 s grid; later ones keep up
-        open(marker, "w").write(str(done + 1))
-        exclusive(ctx, 8, until_stopping=False)
-    else:
-        exclusive(ctx, 0.001)
-"""
-
-
 def test_an_overrunning_job_alerts_once_and_recovers_once_when_it_keeps_up(tmp_path, database_url):
     receiver = Receiver()
     fleet = Fleet(
@@ -142,7 +108,7 @@ def test_an_overrunning_job_alerts_once_and_recovers_once_when_it_keeps_up(tmp_p
         database_url,
         {"overrun": {"interval": "2s"}},
         settings={"skip_alert_after": 3, "alert_webhook_url": receiver.url("/hook")},
-        job_code=OVERRUN,
+        job_files=JOBS,
     )
     fleet.start("r1")
     fleet.start("r2")
@@ -166,22 +132,10 @@ def test_an_overrunning_job_alerts_once_and_recovers_once_when_it_keeps_up(tmp_p
     assert len(slow_ends) >= 3
 
 
-LINGERING = """
-@job(key=75)
-def lingering(ctx: RunContext) -> None:
-    record(ctx, event="start")
-    # A thread of the job's own, not a daemon thread: the interpreter would wait for it.
-    threading.Thread(target=lambda: threading.Event().wait(3600), daemon=False).start()
-    # Its error text tries to forge a log line and rewrite the terminal.
-    forged = "\\n2026-01-01 00:00:00,000 INFO    scheduler.runs: run succeeded\\x1b[2J"
-    raise RuntimeError("boom" + forged)
-"""
-
-
 def test_a_job_can_neither_forge_log_lines_nor_keep_the_replica_from_exiting(
     tmp_path, database_url
 ):
-    fleet = Fleet(tmp_path, database_url, {"lingering": {"interval": "1h"}}, job_code=LINGERING)
+    fleet = Fleet(tmp_path, database_url, {"lingering": {"interval": "1h"}}, job_files=JOBS)
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()

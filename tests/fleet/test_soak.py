@@ -52,29 +52,7 @@ from tests.support import Fleet, parse_tick, wait_for, whole_seconds
 
 pytestmark = [pytest.mark.soak, pytest.mark.fleet]
 
-QUICK_JOBS = 6
-JOBS = (
-    "\n".join(
-        f"""
-@job(key={500 + i})
-def quick_{i}(ctx: RunContext) -> None:
-    exclusive(ctx, 0.001)
-"""
-        for i in range(QUICK_JOBS)
-    )
-    + """
-import random as _random
-
-@job(key=520)
-def wobbly_a(ctx: RunContext) -> None:
-    exclusive(ctx, _random.uniform(0, 1.5), until_stopping=False)
-
-
-@job(key=521)
-def wobbly_b(ctx: RunContext) -> None:
-    exclusive(ctx, _random.uniform(0, 1.5), until_stopping=False)
-"""
-)
+QUICK_JOBS = 6  # quick_0 .. quick_5 in jobs/soak.py, keys 500 .. 505
 NAMES = [f"quick_{i}" for i in range(QUICK_JOBS)] + ["wobbly_a", "wobbly_b"]
 KEYS = [500 + i for i in range(QUICK_JOBS)] + [520, 521]
 REPLICAS = ("s1", "s2", "s3")
@@ -99,7 +77,7 @@ def test_soak(tmp_path, database_url):
         database_url,
         schedules,
         settings={"holder_timeout": 6, "misfire_grace": 5, "shutdown_grace": 5},
-        job_code=JOBS,
+        job_files=["soak.py"],
     )
     server_log = ServerLog.find(database_url)
     deadlocks_before = _deadlocks(database_url)

@@ -1,5 +1,5 @@
-"""Guarantee 7: a skipped tick is recorded once for the fleet; one alert after N in a
-row; one recovery notice when the job runs again. Webhooks never block scheduling."""
+"""A skipped tick is recorded once for the fleet; one alert after N in a row; one recovery
+notice when the job runs again. Webhooks never block scheduling (README: Skips and alerts)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,9 @@ from tests.support import Fleet, Receiver, cli, free_port, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
-# The first run takes 7 s, every later one is instant: about 6 ticks find it going.
-FIRST_RUN_LONG = """
-@job(key=31)
-def sometimes_slow(ctx: RunContext) -> None:
-    first = os.path.join(os.path.dirname(EVIDENCE), "first-run-done")
-    if os.path.exists(first):
-        exclusive(ctx, 0.001)
-        return
-    open(first, "w").close()
-    exclusive(ctx, 7, until_stopping=False)
-"""
+# sometimes_slow: the first run takes 7 s, every later one is instant: about 6 ticks
+# find it going.
+JOBS = ["alerts.py"]
 
 
 def test_skips_are_recorded_once_and_alert_once_for_the_fleet(tmp_path, database_url):
@@ -32,7 +24,7 @@ def test_skips_are_recorded_once_and_alert_once_for_the_fleet(tmp_path, database
         database_url,
         {"sometimes_slow": {"interval": "1s"}},
         settings={"skip_alert_after": 3, "alert_webhook_url": receiver.url("/hook")},
-        job_code=FIRST_RUN_LONG,
+        job_files=JOBS,
     )
     for name in ("r1", "r2", "r3"):
         fleet.start(name)
@@ -92,7 +84,7 @@ def test_a_webhook_that_is_down_does_not_block_scheduling_and_delivers_later(
         database_url,
         {"sometimes_slow": {"interval": "1s", "skip_alert_after": 2}},
         settings={"alert_webhook_url": f"http://127.0.0.1:{port}/hooks/{secret}"},
-        job_code=FIRST_RUN_LONG,
+        job_files=JOBS,
     )
     fleet.start("r1")
     fleet.start("r2")
@@ -123,9 +115,7 @@ def test_a_webhook_that_is_down_does_not_block_scheduling_and_delivers_later(
 
 
 def test_status_names_the_replica_running_a_job(tmp_path, database_url):
-    fleet = Fleet(
-        tmp_path, database_url, {"sometimes_slow": {"interval": "1s"}}, job_code=FIRST_RUN_LONG
-    )
+    fleet = Fleet(tmp_path, database_url, {"sometimes_slow": {"interval": "1s"}}, job_files=JOBS)
     fleet.start("r1")
     fleet.start("r2")
     try:

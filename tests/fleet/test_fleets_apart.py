@@ -13,14 +13,15 @@ pytestmark = pytest.mark.fleet
 
 
 def project(root: Path, database_url: str, job: str, schema: str | None) -> Fleet:
-    """A project whose only job has key 2001, named `job`."""
-    code = f"""
-@job(key=2001, name="{job}")
-def work(ctx: RunContext) -> None:
-    exclusive(ctx, 0.001)
-"""
+    """A project whose only job has key 2001, named `job` (tests/fleet/jobs/apart_<job>.py)."""
     settings = {"schema": schema} if schema else {}
-    return Fleet(root, database_url, {job: {"interval": "1s"}}, settings=settings, job_code=code)
+    return Fleet(
+        root,
+        database_url,
+        {job: {"interval": "1s"}},
+        settings=settings,
+        job_files=[f"apart_{job}.py"],
+    )
 
 
 @pytest.fixture

@@ -217,8 +217,8 @@ def test_replicas_that_differ_never_have_one_schedule_recorded_missed_for_the_ot
     start = now - timedelta(minutes=5)
     ledger.track_jobs(backend.ledger_engine, [(641, "deploying", "every 2s")], start)
     with backend.ledger_engine.begin() as conn:
-        ledger.register(conn, "r-old", [(641, "deploying", schedule_text(old))], start)
-        ledger.register(conn, "r-new", [(641, "deploying", schedule_text(new))], start)
+        ledger.register(conn, "r-old", [(641, "deploying", schedule_text(old))], set(), start)
+        ledger.register(conn, "r-new", [(641, "deploying", schedule_text(new))], {"r-old"}, start)
     keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
     sweep_missed(keeper, now - timedelta(seconds=60), now)
     with backend.ledger_engine.connect() as conn:
@@ -238,10 +238,10 @@ def test_a_fleet_that_comes_back_with_a_new_schedule_explains_every_old_tick(bac
     )
     with backend.ledger_engine.begin() as conn:
         ledger.register(
-            conn, "r-old", [(651, "changed", schedule_text(old))], now - timedelta(hours=1)
+            conn, "r-old", [(651, "changed", schedule_text(old))], set(), now - timedelta(hours=1)
         )
         back = now - timedelta(seconds=40)  # the new fleet's first replica started here
-        ledger.register(conn, "r-new", [(651, "changed", schedule_text(new))], back)
+        ledger.register(conn, "r-new", [(651, "changed", schedule_text(new))], set(), back)
         ledger.supersede(conn, {"r-new"}, back)  # r-old is gone: its schedule ends
     keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
     sweep_missed(keeper, down - timedelta(seconds=1), now)
@@ -257,3 +257,20 @@ def test_a_fleet_that_comes_back_with_a_new_schedule_explains_every_old_tick(bac
     # ... and the new schedule's ticks count from its start, not before.
     assert all(t.timestamp() % 3 == 0 for t in new_ticks)
     assert all(t <= cutoff for t in missed)
+
+
+def test_a_replica_takes_over_the_registrations_of_gone_replicas_with_its_schedule(
+    backend_factory,
+):
+    """Restarts (new instance names) must not grow the table: one row per live replica."""
+    job = job_every(661, 2, "steady")
+    backend = backend_factory("h")
+    text = schedule_text(job)
+    first = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
+    with backend.ledger_engine.begin() as conn:
+        for n in range(5):  # five restarts of a one-replica fleet, each under a new name
+            ledger.register(
+                conn, f"r{n}", [(661, "steady", text)], set(), first + timedelta(minutes=n)
+            )
+        rows = ledger.registrations_of(conn, [661])
+    assert [(r.instance, r.since) for r in rows] == [("r4", first)]

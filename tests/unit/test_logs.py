@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from scheduler import events, logs
+from scheduler.runlog import RunLog
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def started(run_id: int) -> events.RunStarted:
 
 def test_json_run_lines_carry_the_events_fields_and_time(captured):
     logs.setup_logging("json", stream=captured)
-    run_log = logs.RunLog(structured=True)
+    run_log = RunLog(structured=True)
     for run_id in range(1, 501):
         run_log(started(run_id))
     logging.getLogger("scheduler.test").warning("plain %s", "record")
@@ -56,7 +57,7 @@ def test_json_run_lines_carry_the_events_fields_and_time(captured):
 def test_a_line_is_stamped_when_the_event_happened_not_when_written():
     logger = logging.getLogger("test.runs")
     logger.setLevel(logging.INFO)
-    run_log = logs.RunLog(logger, structured=True)
+    run_log = RunLog(logger, structured=True)
     (record,) = run_log.records(started(1), created=1_767_268_800.25)
     line = json.loads(logs.JsonFormatter().format(record))
     assert line["time"] == "2026-01-01T12:00:00.250+00:00"
@@ -64,7 +65,7 @@ def test_a_line_is_stamped_when_the_event_happened_not_when_written():
 
 def test_text_lines_without_the_writer_go_through_the_logger(caplog):
     caplog.set_level(logging.INFO, logger="scheduler.runs")
-    logs.RunLog()(started(3))
+    RunLog()(started(3))
     assert caplog.messages == [
         "run started: report tick 2026-01-01T12:00:00+00:00 run_id 3 (0.012 s late)"
     ]

@@ -56,9 +56,9 @@ def test_a_killed_lock_session_sets_lock_lost_and_the_gate_reconnects(gate_facto
         admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'g1'"
         )
-    settle(gate, lambda: seen.of(events.SessionLost), "the lost session to be noticed")
+    settle(gate, lambda: seen.of(events.LockSessionLost), "the lost session to be noticed")
     assert run.ctx.lock_lost.is_set()
-    assert seen.of(events.SessionLost)[0].runs == ("victim",)
+    assert seen.of(events.LockSessionLost)[0].runs == ("victim",)
     settle(gate, lambda: gate.connected, "the gate to reconnect")
     release.set()
     settle(gate, lambda: seen.of(events.RunFinished), "the stale run to report")
@@ -77,7 +77,7 @@ def test_no_round_trip_within_holder_timeout_means_the_locks_are_lost(gate_facto
     clock.now += 7  # as after a SIGSTOP: the server has ended the session by now
     gate.step()
     assert run.ctx.lock_lost.is_set()
-    assert seen.of(events.SessionLost)
+    assert seen.of(events.LockSessionLost)
     release.set()
 
 

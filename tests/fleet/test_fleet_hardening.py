@@ -1,10 +1,10 @@
 """Shutdown, slow statements and notices, against real replicas and a real PostgreSQL.
 
 - A run still going when `shutdown_grace` ends is told (`ctx.lock_lost`) before
-  its lock can pass to another replica (guarantee 6).
+  its lock can pass to another replica (README: Faults, SIGTERM or SIGINT).
 - A statement that waits on a row lock is not a lost session: no lock is
   dropped, no run is told, and the ticks it delayed are recorded afterwards.
-- A notice survives the death of the replica that raised it (guarantee 7).
+- A notice survives the death of the replica that raised it (README: Skips and alerts).
 """
 
 from __future__ import annotations
@@ -21,17 +21,9 @@ from tests.support import Fleet, Receiver, parse_tick, wait_for, whole_seconds
 
 pytestmark = pytest.mark.fleet
 
-STUBBORN = """
-@job(key=61)
-def stubborn(ctx: RunContext) -> None:
-    # Ignores `stopping`: only a lost lock ends it. Every beat says whether the
-    # run still believed it held the lock when it wrote it.
-    record(ctx, event="start")
-    while not ctx.lock_lost.is_set():
-        record(ctx, event="beat")
-        threading.Event().wait(0.02)
-    record(ctx, event="told")
-"""
+# stubborn: ignores `stopping`, records a beat every 20 ms until told its lock is lost;
+# slow: 24 s; overrun: 30 s.
+JOBS = ["hardening.py"]
 
 
 def test_a_run_abandoned_at_shutdown_is_told_before_its_lock_passes_on(tmp_path, database_url):
@@ -41,7 +33,7 @@ def test_a_run_abandoned_at_shutdown_is_told_before_its_lock_passes_on(tmp_path,
         database_url,
         {"stubborn": {"interval": "1s", "ping_url": slow.url("/ping")}},
         settings={"shutdown_grace": 1},
-        job_code=STUBBORN,
+        job_files=JOBS,
     )
     fleet.start("r1")
     fleet.start("r2")
@@ -71,13 +63,6 @@ def test_a_run_abandoned_at_shutdown_is_told_before_its_lock_passes_on(tmp_path,
     assert rows[first["run_id"]]["status"] == "crashed"
 
 
-SLOW = """
-@job(key=62)
-def slow(ctx: RunContext) -> None:
-    exclusive(ctx, 24, until_stopping=False)
-"""
-
-
 def test_a_statement_waiting_on_a_row_lock_is_not_a_lost_session(tmp_path, database_url):
     fleet = Fleet(
         tmp_path,
@@ -85,7 +70,7 @@ def test_a_statement_waiting_on_a_row_lock_is_not_a_lost_session(tmp_path, datab
         {"slow": {"interval": "1s"}},
         # Lock-session statements are cut short after a fraction of this.
         settings={"holder_timeout": 6, "skip_alert_after": 1000},
-        job_code=SLOW,
+        job_files=JOBS,
     )
     fleet.start("r1")
     fleet.start("r2")
@@ -133,13 +118,6 @@ def seconds_to_utc(epoch: float) -> datetime:
     return datetime.fromtimestamp(int(epoch), UTC)
 
 
-ALWAYS_SLOW = """
-@job(key=63)
-def overrun(ctx: RunContext) -> None:
-    exclusive(ctx, 30, until_stopping=False)
-"""
-
-
 def test_an_alert_is_delivered_even_when_its_replica_dies_while_sending_it(tmp_path, database_url):
     receiver = Receiver()
     receiver.hold_first = threading.Event()  # the first POST hangs until released
@@ -148,7 +126,7 @@ def test_an_alert_is_delivered_even_when_its_replica_dies_while_sending_it(tmp_p
         database_url,
         {"overrun": {"interval": "1s"}},
         settings={"skip_alert_after": 2, "alert_webhook_url": receiver.url("/hook")},
-        job_code=ALWAYS_SLOW,
+        job_files=JOBS,
     )
     for name in ("r1", "r2", "r3"):
         fleet.start(name)

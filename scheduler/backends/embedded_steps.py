@@ -1,0 +1,349 @@
+"""The claim and finish of the embedded backend, step by step, by the names of postgres.sql.
+
+Each step runs inside one `BEGIN IMMEDIATE` transaction (SQLite has one
+writer at a time, so nothing here can deadlock) and does for the SQLite
+ledger and the file locks what the SQL function of the same name does for
+PostgreSQL; read them side by side. The protocol is told in `scheduler.gate`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+from sqlalchemy.dialects.sqlite import insert
+
+from scheduler import ledger
+from scheduler.backends.base import ClaimRequest, ClaimResult, FinishRequest, Intent, Outcome
+from scheduler.backends.filelocks import FileLocks
+from scheduler.statuses import CRASHED_LOST_LOCK, Status
+
+# What a claim has decided for a tick so far: a row status, or an outcome without a row.
+Fate = Status | Outcome
+Streaks = dict[tuple[int, datetime | None], tuple[int, bool, int | None]]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A tick on its way through a claim, as `scheduler_tick` in postgres.sql."""
+
+    request: ClaimRequest
+    fate: Fate
+    run_id: int | None = None
+    started_at: datetime | None = None
+    holder: str | None = None
+    holder_since: datetime | None = None
+
+    @property
+    def key(self) -> int:
+        return self.request.key
+
+
+class Steps:
+    """One transaction's worth of steps; `taken` are the locks it took (given back if it fails)."""
+
+    def __init__(self, conn: Connection, locks: FileLocks, instance: str, now: datetime) -> None:
+        self.conn, self.locks, self.instance, self.now = conn, locks, instance, now
+        self.taken: list[int] = []
+
+    # -- scheduler_claim ----------------------------------------------------------------
+
+    def choose(self, requests: Sequence[ClaimRequest], capacity: int) -> list[Tick]:
+        out, room = [], capacity
+        for r in sorted(requests, key=lambda r: (r.scheduled_at, r.key)):
+            fate: Fate
+            if r.intent is Intent.SKIP:
+                fate = Status.SKIPPED
+            elif r.intent is Intent.MANUAL:
+                fate = Status.RUNNING
+            elif self.now - r.scheduled_at > timedelta(seconds=r.grace_s):
+                fate = Status.MISSED
+            elif self._has_row(r.key, r.scheduled_at):
+                fate = Outcome.LOST
+            elif room > 0:
+                fate, room = Status.RUNNING, room - 1
+            else:
+                fate = Outcome.DEFERRED  # no free worker for it in this batch
+            out.append(Tick(r, fate))
+        return out
+
+    def lock_manual(self, ticks: list[Tick]) -> list[Tick]:
+        out = []
+        for tick in ticks:
+            if tick.request.intent is Intent.MANUAL:
+                if self.locks.try_lock(tick.key):
+                    self.taken.append(tick.key)
+                else:
+                    instance, since = self._holder(tick.key, exclude=set())
+                    tick = replace(tick, fate=Outcome.HELD, holder=instance, holder_since=since)
+            out.append(tick)
+        return out
+
+    def insert_ticks(self, ticks: list[Tick]) -> list[Tick]:
+        out = []
+        for tick in ticks:
+            if isinstance(tick.fate, Status):
+                r = tick.request
+                run_id = self._next_run_id() if tick.fate is Status.RUNNING else None
+                started = self.now if run_id is not None else None
+                statement = insert(ledger.ticks).values(
+                    job_key=r.key,
+                    scheduled_at=r.scheduled_at,
+                    job_name=r.name,
+                    status=tick.fate,
+                    instance=self.instance,
+                    run_id=run_id,
+                    started_at=started,
+                    manual=r.intent is Intent.MANUAL,
+                )
+                if self.conn.execute(statement.on_conflict_do_nothing()).rowcount:
+                    tick = replace(tick, run_id=run_id, started_at=started)
+                else:
+                    if r.intent is Intent.MANUAL:
+                        self.locks.unlock(r.key)
+                        self.taken.remove(r.key)
+                    tick = replace(tick, fate=Outcome.LOST)
+            out.append(tick)
+        return out
+
+    def take_locks(self, ticks: list[Tick]) -> list[Tick]:
+        out = []
+        for tick in ticks:
+            if tick.fate is Status.RUNNING and tick.request.intent is Intent.RUN:
+                if self.locks.try_lock(tick.key):
+                    self.taken.append(tick.key)
+                else:
+                    tick = replace(tick, fate=Status.SKIPPED)
+            out.append(tick)
+        return out
+
+    def record_skips(self, ticks: list[Tick]) -> list[Tick]:
+        t = ledger.ticks
+        own = {(tick.key, tick.request.scheduled_at) for tick in ticks}
+        out = []
+        for tick in ticks:
+            if tick.fate is Status.SKIPPED:
+                instance, since = self._holder(tick.key, exclude=own)
+                self.conn.execute(
+                    update(t)
+                    .where(t.c.job_key == tick.key, t.c.scheduled_at == tick.request.scheduled_at)
+                    .values(status=Status.SKIPPED, run_id=None, started_at=None, holder=instance)
+                )
+                tick = replace(
+                    tick, run_id=None, started_at=None, holder=instance, holder_since=since
+                )
+            out.append(tick)
+        return out
+
+    def crash_stale(self, ticks: list[Tick]) -> dict[int, int]:
+        t = ledger.ticks
+        crashed = {}
+        for tick in ticks:
+            if tick.fate is Status.RUNNING:
+                crashed[tick.key] = self.conn.execute(
+                    update(t)
+                    .where(
+                        t.c.job_key == tick.key,
+                        t.c.status == Status.RUNNING,
+                        t.c.scheduled_at != tick.request.scheduled_at,
+                    )
+                    .values(status=Status.CRASHED, finished_at=self.now, error=CRASHED_LOST_LOCK)
+                ).rowcount
+        return crashed
+
+    def skip_streaks(self, ticks: list[Tick]) -> Streaks:
+        """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends."""
+        j = ledger.jobs
+        out: Streaks = {}
+        counted = (Status.RUNNING, Status.SKIPPED)
+        for key in sorted({t.key for t in ticks if t.fate in counted}):
+            mine = [t for t in ticks if t.key == key and t.fate in counted]
+            skipped = [t for t in mine if t.fate is Status.SKIPPED]
+            ran = len(skipped) < len(mine)
+            self._ensure_job(key, mine[0].request.name)
+            row = self.conn.execute(select(j).where(j.c.job_key == key)).one()
+            before, alerted = row.consecutive_skips, row.skip_alerted
+            threshold = min(t.request.skip_threshold for t in mine)
+            after = 0 if ran else before + len(skipped)
+            alerting = not alerted and not ran and after >= threshold
+            self.conn.execute(
+                update(j)
+                .where(j.c.job_key == key)
+                .values(
+                    consecutive_skips=after,
+                    overrun_skips=row.overrun_skips + len(skipped),
+                    skip_alerted=alerted or alerting,
+                )
+            )
+            if ran:
+                out[(key, None)] = (before, False, None)
+            for n, tick in enumerate(skipped, start=1):
+                streak, notice = before + n, None
+                if alerting and streak == max(before + 1, threshold):
+                    notice = self._skip_alert(tick, streak, threshold)
+                out[(key, tick.request.scheduled_at)] = (streak, notice is not None, notice)
+        return out
+
+    @staticmethod
+    def result(tick: Tick, crashed: dict[int, int], streaks: Streaks) -> ClaimResult:
+        r = tick.request
+        outcome = Outcome.RUN if tick.fate is Status.RUNNING else Outcome(tick.fate)
+        streak, alert, notice = streaks.get((r.key, r.scheduled_at)) or streaks.get(
+            (r.key, None), (0, False, None)
+        )
+        if outcome not in (Outcome.RUN, Outcome.SKIPPED):
+            streak, alert, notice = 0, False, None
+        return ClaimResult(
+            r.key,
+            r.scheduled_at,
+            outcome,
+            tick.run_id,
+            tick.started_at,
+            tick.holder,
+            tick.holder_since,
+            streak,
+            alert,
+            crashed.get(r.key, 0) if outcome is Outcome.RUN else 0,
+            () if notice is None else (notice,),
+        )
+
+    # -- scheduler_finish ---------------------------------------------------------------
+
+    def record_finishes(
+        self, requests: Sequence[FinishRequest]
+    ) -> list[tuple[FinishRequest, bool, bool, datetime | None]]:
+        """(request, recorded now, recorded by an earlier call, finished_at), in order."""
+        t = ledger.ticks
+        out = []
+        for r in sorted(requests, key=lambda r: (r.scheduled_at, r.key)):
+            row = (t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at, t.c.run_id == r.run_id)
+            done = self.conn.execute(
+                update(t)
+                .where(*row, t.c.status == Status.RUNNING)
+                .values(
+                    status=r.status,
+                    finished_at=self.now,
+                    error=r.error,
+                    told=r.told,
+                    duration_s=r.duration_s,
+                )
+            ).rowcount
+            if done == 1:
+                out.append((r, True, False, self.now))
+                continue
+            again = self.conn.execute(select(t.c.finished_at).where(*row, t.c.status == r.status))
+            earlier = again.first()
+            out.append((r, False, earlier is not None, earlier[0] if earlier else None))
+        return out
+
+    def finish_streaks(
+        self, done: list[tuple[FinishRequest, bool, bool, datetime | None]]
+    ) -> dict[int, tuple[int | None, bool, bool, bool, tuple[int, ...]]]:
+        """key -> (failures, alert, recovered, skips_recovered, notices), in key order."""
+        j = ledger.jobs
+        out: dict[int, tuple[int | None, bool, bool, bool, tuple[int, ...]]] = {}
+        for r, recorded, _, finished in sorted(done, key=lambda d: d[0].key):
+            if not recorded or r.status not in (Status.SUCCEEDED, Status.FAILED):
+                continue
+            self._ensure_job(r.key, self._job_name(r))
+            row = self.conn.execute(select(j).where(j.c.job_key == r.key)).one()
+            kept_up = r.next_due is None or (finished is not None and finished <= r.next_due)
+            failed = r.status == Status.FAILED
+            failures = row.consecutive_failures + 1 if failed else 0
+            fail_alert = failed and not row.fail_alerted and failures >= r.fail_threshold
+            recovered = not failed and row.fail_alerted
+            skips_recovered = kept_up and row.skip_alerted
+            self.conn.execute(
+                update(j)
+                .where(j.c.job_key == r.key)
+                .values(
+                    consecutive_failures=failures,
+                    fail_alerted=failed and (row.fail_alerted or fail_alert),
+                    skip_alerted=row.skip_alerted and not kept_up,
+                    overrun_skips=0 if kept_up else row.overrun_skips,
+                )
+            )
+            who = {"instance": self.instance, "run_id": r.run_id}
+            due = [
+                (fail_alert, "job.failures_exceeded", {
+                    "consecutive_failures": failures, "threshold": r.fail_threshold,
+                    **who, "error": r.error,
+                }),
+                (recovered, "job.failures_recovered", {
+                    "consecutive_failures": row.consecutive_failures, **who,
+                }),
+                (skips_recovered, "job.recovered", {
+                    "consecutive_skips": row.overrun_skips, **who,
+                }),
+            ]  # fmt: skip
+            request = ClaimRequest(r.key, row.job_name, r.scheduled_at, Intent.RUN, 0, 0)
+            notices = tuple(
+                self._notice(event, request, **facts) for raised, event, facts in due if raised
+            )
+            shown = failures if failed else row.consecutive_failures
+            out[r.key] = (shown, fail_alert, recovered, skips_recovered, notices)
+        return out
+
+    # -- shared -------------------------------------------------------------------------
+
+    def _has_row(self, key: int, tick: datetime) -> bool:
+        t = ledger.ticks
+        query = select(t.c.job_key).where(t.c.job_key == key, t.c.scheduled_at == tick)
+        return self.conn.execute(query).first() is not None
+
+    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any]:
+        """Whose run holds the job now: its newest `running` row not in `exclude`."""
+        t = ledger.ticks
+        rows = self.conn.execute(
+            select(t.c.instance, t.c.started_at, t.c.scheduled_at)
+            .where(t.c.job_key == key, t.c.status == Status.RUNNING)
+            .order_by(t.c.scheduled_at.desc())
+        )
+        row = next((row for row in rows if (key, row.scheduled_at) not in exclude), None)
+        return (row.instance, row.started_at) if row else (None, None)
+
+    def _next_run_id(self) -> int:
+        c = ledger.counters
+        bump = update(c).where(c.c.name == "run_id").values(value=c.c.value + 1)
+        return int(self.conn.execute(bump.returning(c.c.value)).scalar_one())
+
+    def _job_name(self, r: FinishRequest) -> str:
+        t = ledger.ticks
+        query = select(t.c.job_name).where(t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at)
+        return str(self.conn.execute(query).scalar_one())
+
+    def _ensure_job(self, key: int, name: str) -> None:
+        statement = insert(ledger.jobs).values(job_key=key, job_name=name, tracked_since=self.now)
+        self.conn.execute(statement.on_conflict_do_nothing())
+
+    def _skip_alert(self, tick: Tick, streak: int, threshold: int) -> int:
+        since = tick.holder_since
+        return self._notice(
+            "job.skips_exceeded",
+            tick.request,
+            consecutive_skips=streak,
+            threshold=threshold,
+            holder=tick.holder,
+            holder_since=since.isoformat() if since else None,
+            running_s=(self.now - since).total_seconds() if since else None,
+        )
+
+    def _notice(self, event: str, r: ClaimRequest, **facts: Any) -> int:
+        """Write a notice to the outbox, leased to this replica (see `scheduler.notices`)."""
+        statement = insert(ledger.notices).values(
+            event=event,
+            job_key=r.key,
+            job_name=r.name,
+            scheduled_at=r.scheduled_at,
+            facts=json.dumps(facts),
+            raised_by=self.instance,
+            raised_at=self.now,
+            lease_by=self.instance,
+            lease_until=self.now + ledger.NOTICE_LEASE,
+            next_attempt_at=self.now,
+        )
+        return int(self.conn.execute(statement.returning(ledger.notices.c.id)).scalar_one())

@@ -1,0 +1,157 @@
+"""A replica's sessions with PostgreSQL: how they are opened, and how their errors are judged.
+
+- `connect_args`, `session_timeouts`, `search_path`: what every session sets
+  for itself, so that no server configuration is needed.
+- `session_is_kept`: whether a pooler sits between us and the server in a
+  mode that would move advisory locks from one server session to another.
+- `ends_session` and `is_permanent`: which errors lose the session (and its
+  locks), and which no retry mends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from scheduler.urls import libpq_url, parse_database_url
+
+POOLER_MESSAGE = (
+    "the database connection does not keep one server session across transactions: "
+    "a pooler such as PgBouncer in transaction or statement mode sits between this "
+    "replica and PostgreSQL. Advisory locks need a session: set PgBouncer's "
+    "pool_mode = session for this database, or connect to PostgreSQL directly."
+)
+
+# SQLSTATEs that end the session itself: a connection failure (class 08), the server
+# shutting down or ending the session (57P01-57P05), or a read-only node (a standby,
+# after a failover). Any other error (a statement or lock timeout, a deadlock) leaves
+# the session and its locks as they were.
+_SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", "25006"}
+
+
+def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:
+    """libpq options: the instance name for pg_stat_activity, and dead-peer detection."""
+    given = parse_database_url(url).option_names
+    wanted: dict[str, Any] = {
+        "application_name": instance,
+        "connect_timeout": max(2, math.ceil(holder_timeout / 3)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, math.ceil(holder_timeout / 3)),
+        "keepalives_interval": max(1, math.ceil(holder_timeout / 9)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(holder_timeout * 1000),
+    }
+    return {k: v for k, v in wanted.items() if k not in given}
+
+
+def psycopg_engine(url: str, args: dict[str, Any], **options: Any) -> Engine:
+    """A SQLAlchemy engine that hands the URL to libpq as it is.
+
+    SQLAlchemy's own URL parser cannot read multi-host URLs and splits user
+    and host at another `@` than libpq does; libpq reads it here, once.
+    """
+    engine = create_engine("postgresql+psycopg://", connect_args=args, **options)
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(_dialect: Any, _record: Any, cargs: list[Any], _cparams: Any) -> None:
+        cargs[:] = [libpq_url(url)]
+
+    return engine
+
+
+def search_path(schema: str) -> str:
+    """Every table, function and sequence of a fleet lives in its schema (config: `schema`)."""
+    return f'"{schema}"'
+
+
+def session_timeouts(holder_timeout: float) -> tuple[str, str, str, str]:
+    """The lock session's own limits, so that no server configuration is needed.
+
+    - idle_session_timeout = holder_timeout: a replica that goes quiet (frozen, cut
+      off) has its session ended by the server, and its locks with it; the gate
+      sends a heartbeat after a third of that.
+    - statement_timeout = a third, lock_timeout = a sixth: a claim that waits on a
+      row lock (a slow or frozen peer's transaction) gives up well before the
+      watchdog would doubt the session; the claim is retried, the session kept.
+    - tcp_user_timeout = holder_timeout: a reply the client does not read (a
+      process frozen mid-reply) cannot keep the session past it either.
+    """
+    ms = holder_timeout * 1000
+    return (f"{int(ms)}ms", f"{int(ms / 3)}ms", f"{int(ms / 6)}ms", str(int(ms)))
+
+
+def short_connection(url: str, instance: str) -> psycopg.Connection[Any]:
+    """A plain autocommit connection for checks, given up on after 5 s."""
+    args = connect_args(instance, 30.0, url)
+    args["connect_timeout"] = 5
+    return psycopg.connect(libpq_url(url), autocommit=True, **args)
+
+
+def session_is_kept(url: str, instance: str) -> bool:
+    """Does each connection keep its own server session from one transaction to the next?
+
+    Advisory locks belong to a server session; a pooler in transaction or
+    statement mode hands each transaction to whichever server session is
+    free, so a lock would be taken on one session and "released" on another.
+    Two connections take turns asking for their backend's pid: in session
+    mode each keeps its own (never the other's); a transaction-mode pooler
+    hands the same few backends to both.
+    """
+    with short_connection(url, instance) as first, short_connection(url, instance) as second:
+        pids: tuple[set[int], set[int]] = (set(), set())
+        for _ in range(3):
+            for conn, seen in zip((first, second), pids, strict=True):
+                row = conn.execute("SELECT pg_backend_pid()").fetchone()
+                assert row is not None
+                seen.add(int(row[0]))
+    return len(pids[0]) == 1 and len(pids[1]) == 1 and not pids[0] & pids[1]
+
+
+_TRANSIENT_REFUSALS = (
+    "starting up",
+    "shutting down",
+    "not yet accepting",
+    "recovery mode",
+    "too many",
+    "connection slots",
+    "sorry",
+)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """An error no retry mends: the server refused us for who we are or what we asked.
+
+    Authentication, a role or database that does not exist, a missing
+    privilege. A server that is starting, stopping or full, a refused or
+    timed-out connection, a name that does not resolve: those pass.
+    """
+    original = getattr(exc, "orig", None) or exc
+    if getattr(original, "sqlstate", None) in ("42501", "3D000", "28000", "28P01"):
+        return True
+    text = str(original)
+    if "FATAL:" not in text:
+        return False
+    refusal = text.split("FATAL:", 1)[1]
+    return not any(marker in refusal for marker in _TRANSIENT_REFUSALS)
+
+
+def ends_session(exc: BaseException, conn: Connection | None) -> bool:
+    """Is the session gone with this error, or only the statement that raised it?"""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    driver = conn.connection.driver_connection if conn is not None and not conn.closed else None
+    if not isinstance(driver, psycopg.Connection) or driver.closed:
+        return True
+    if driver.pgconn.status != psycopg.pq.ConnStatus.OK:
+        return True
+    original = getattr(exc, "orig", exc)
+    if not isinstance(original, psycopg.Error):
+        return isinstance(exc, OperationalError)
+    state = original.sqlstate
+    if state is None:  # raised by the client: the connection failed under it
+        return isinstance(original, psycopg.OperationalError | psycopg.InterfaceError)
+    return state.startswith("08") or state in _SESSION_ENDING

@@ -1,0 +1,42 @@
+-- The statements the PostgreSQL backend sends, by name (scheduler/backends/queries.py
+-- loads them). The gate's steps themselves are the functions of postgres.sql.
+
+-- name: claim
+-- One batch of ticks claimed (scheduler_claim: the claim's steps, in order).
+SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
+    CAST(:keys AS integer[]), CAST(:names AS text[]), CAST(:ticks AS timestamptz[]),
+    CAST(:intents AS text[]), CAST(:graces AS double precision[]),
+    CAST(:thresholds AS integer[]))
+
+-- name: finish
+-- One batch of finished runs recorded, then their locks released (scheduler_finish).
+SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
+    CAST(:ticks AS timestamptz[]), CAST(:run_ids AS bigint[]), CAST(:statuses AS text[]),
+    CAST(:errors AS text[]), CAST(:told AS text[]), CAST(:durations AS double precision[]),
+    CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]),
+    CAST(:next_dues AS timestamptz[]))
+
+-- name: release
+-- Locks a failed claim may have taken: advisory locks outlive a rollback.
+SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
+
+-- name: heartbeat
+SELECT now()
+
+-- name: held_locks
+-- Job locks some session of this database holds now (scheduler_locks in postgres.sql).
+SELECT key FROM scheduler_locks(:ns) WHERE key BETWEEN 1 AND 2147483647
+
+-- name: live_instances
+-- Replicas whose lock session is up: they hold (lock_namespace, 0) in share mode.
+SELECT a.application_name AS name, a.backend_start AS since,
+       host(a.client_addr) AS address, a.pid
+  FROM scheduler_locks(:ns) l JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.key = 0 AND l.shared
+ ORDER BY a.application_name
+
+-- name: lock_holders
+-- Job key and the instance whose session holds its lock now.
+SELECT l.key, a.application_name AS name
+  FROM scheduler_locks(:ns) l JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.key BETWEEN 1 AND 2147483647 AND NOT l.shared

@@ -1,0 +1,147 @@
+"""Claims: the queued ticks offered to the backend, one round trip per batch (step 2).
+
+What comes back is acted on at once: runs start (before any bookkeeping,
+their lateness is what counts), ticks deferred for lack of workers or left
+to another replica's share go back to the queue, skips and missed ticks are
+reported. A claim that fails for another reason than a lost session may
+leave locks it took (advisory locks outlive a rollback): they are released
+before the ticks go back to the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import datetime
+
+from scheduler import events
+from scheduler.backends.base import (
+    ClaimRequest,
+    ClaimResult,
+    Intent,
+    LockStore,
+    Outcome,
+    SessionLost,
+)
+from scheduler.catalog import CatalogJob
+from scheduler.gate.runs import ManualResult
+from scheduler.gate.session import LockSession
+from scheduler.gate.ticks import Batch, Running, TickQueue
+
+log = logging.getLogger("scheduler.gate")
+
+YIELDED_RETRY = 0.1  # seconds before trying a tick left to another replica's share
+
+Won = list[tuple[CatalogJob, ClaimResult]]
+
+
+def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
+    return ClaimRequest(
+        key=job.key,
+        name=job.name,
+        scheduled_at=tick,
+        intent=intent,
+        grace_s=job.misfire_grace.total_seconds(),
+        skip_threshold=job.skip_threshold,
+    )
+
+
+class Claims:
+    def __init__(
+        self,
+        backend: LockStore,
+        session: LockSession,
+        queue: TickQueue,
+        *,
+        instance: str,
+        emit: Callable[[events.Event], None],
+        start: Callable[[Won, Future[ManualResult] | None], None],
+    ) -> None:
+        self.backend = backend
+        self.session = session
+        self.queue = queue
+        self.instance = instance
+        self.emit = emit
+        self.start = start  # hands won runs to the workers
+
+    def queued(self, free: int, running: Callable[[int], Running]) -> None:
+        """Claim the queued ticks: the healthy ones in one round trip, failed ones apart."""
+        for batch in self.queue.take(free, running):
+            self._batch(batch, free)
+
+    def manual(self, job: CatalogJob, tick: datetime, result: Future[ManualResult]) -> None:
+        """`scheduler trigger`: its own tick, "now"; only the job's lock can stop it."""
+        try:
+            (claimed,) = self._claim([claim_request(job, tick, Intent.MANUAL)], capacity=1)
+        except SessionLost:
+            raise
+        except Exception as exc:
+            result.set_result(ManualResult(Outcome.LOST, error=str(exc)))
+            return
+        if claimed.outcome is Outcome.RUN:
+            self.start([(job, claimed)], result)
+        else:
+            result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
+            self._report(job, claimed)
+
+    def _batch(self, batch: Batch, capacity: int) -> None:
+        requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
+        try:
+            results = self._claim(requests, capacity)
+        except SessionLost:
+            self.queue.put_back(batch.entries)
+            raise
+        except Exception as exc:
+            log.warning("claiming %d tick(s) failed (%s); trying again shortly", len(requests), exc)
+            self.queue.put_back(batch.entries, failed=True)
+            return
+        jobs = {job.key: job for job, _, _ in batch.requests}
+        self.start([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], None)
+        for result in results:
+            job = jobs[result.key]
+            if result.outcome is Outcome.DEFERRED:  # tried again when a worker frees
+                self.queue.requeue(job, result.scheduled_at)
+            elif result.outcome is Outcome.YIELDED:  # tried again once anyone may take it
+                self.queue.requeue(job, result.scheduled_at, delay=YIELDED_RETRY)
+            elif result.outcome is not Outcome.RUN:
+                self._report(job, result)
+
+    def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
+        try:
+            results = self.session.round_trip(
+                lambda: self.backend.claim(requests, self.instance, capacity)
+            )
+        except SessionLost:
+            raise
+        except Exception:
+            keys = [r.key for r in requests if r.intent in (Intent.RUN, Intent.MANUAL)]
+            if keys:
+                try:
+                    self.session.round_trip(lambda: self.backend.release(keys))
+                except SessionLost:
+                    raise
+                except Exception as exc:
+                    raise SessionLost(f"cannot release locks after a failed claim: {exc}") from exc
+            raise
+        assert isinstance(results, list)
+        return results
+
+    def _report(self, job: CatalogJob, result: ClaimResult) -> None:
+        if result.outcome is Outcome.SKIPPED:
+            self.emit(
+                events.TickSkipped(
+                    job=job.name,
+                    key=job.key,
+                    scheduled_at=result.scheduled_at,
+                    instance=self.instance,
+                    holder=result.holder,
+                    holder_since=result.holder_since,
+                    consecutive_skips=result.consecutive_skips or 0,
+                    threshold=job.skip_threshold,
+                    alert=result.alert,
+                    notices=result.notices,
+                )
+            )
+        elif result.outcome is Outcome.MISSED:
+            self.emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))

@@ -1,0 +1,103 @@
+"""A run on this replica: what it was given (its context), and how it ended."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime
+
+from scheduler import events
+from scheduler.backends.base import ClaimResult, Outcome
+from scheduler.catalog import CatalogJob
+from scheduler.context import RunContext
+from scheduler.gate.session import Generation
+from scheduler.statuses import Status, Told
+
+
+@dataclass(frozen=True)
+class ManualResult:
+    """What `scheduler trigger` learns of its run."""
+
+    outcome: Outcome
+    status: Status | None = None
+    error: str | None = None
+    run_id: int | None = None
+    holder: str | None = None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a run ended, as its finish records it."""
+
+    status: Status
+    error: str | None
+    duration_s: float
+    told: str | None  # what it was told while it ran (statuses.Told, comma-separated)
+
+    @classmethod
+    def of(cls, run: Run, status: Status, error: str | None, now: float) -> Ending:
+        signals = ((Told.STOPPING, run.ctx.stopping), (Told.LOCK_LOST, run.ctx.lock_lost))
+        told = ",".join(name for name, event in signals if event.is_set()) or None
+        return cls(status, error, now - run.started, told)
+
+
+@dataclass
+class Run:
+    """A run executing on this replica."""
+
+    job: CatalogJob
+    ctx: RunContext
+    generation: Generation  # of the session that took the lock; the lock is gone with it
+    started: float  # monotonic
+    manual: Future[ManualResult] | None = None
+    ended: Ending | None = None  # set when the job has returned (or was given up)
+
+
+def prepare(
+    job: CatalogJob,
+    result: ClaimResult,
+    *,
+    instance: str,
+    generation: Generation,
+    stopping: threading.Event,
+    started: float,
+    clock: Callable[[], datetime],
+    manual: Future[ManualResult] | None,
+) -> tuple[Run, events.RunStarted]:
+    """A run the claim just won, and the event that announces its start."""
+    assert result.run_id is not None
+    ctx = RunContext(
+        job_name=job.name,
+        key=job.key,
+        scheduled_at=result.scheduled_at,
+        instance=instance,
+        run_id=result.run_id,
+        lock_lost=generation.lock_lost,
+        stopping=stopping,
+        log=logging.LoggerAdapter(
+            job.log,
+            {
+                "job": job.name,
+                "key": job.key,
+                "run_id": result.run_id,
+                "scheduled_at": result.scheduled_at.isoformat(),
+            },
+        ),
+    )
+    announced = events.RunStarted(
+        job=job.name,
+        key=job.key,
+        scheduled_at=result.scheduled_at,
+        run_id=result.run_id,
+        instance=instance,
+        lateness_s=((result.started_at or clock()) - result.scheduled_at).total_seconds(),
+        manual=manual is not None,
+        crashed=result.crashed,
+        skips_ended=result.consecutive_skips or 0,
+        ping_url=job.ping_url,
+    )
+    run = Run(job=job, ctx=ctx, generation=generation, started=started, manual=manual)
+    return run, announced

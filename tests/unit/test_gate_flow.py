@@ -1,0 +1,183 @@
+"""The gate's flow, driven step by step over the embedded backend: no database server.
+
+The dispatcher thread is not started; each test calls `gate.step()` where it
+would, and moves a fake monotonic clock where time matters.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from scheduler import events
+from scheduler.backends.base import Intent, Outcome
+from scheduler.backends.embedded import EmbeddedBackend
+from scheduler.context import Interrupted
+from scheduler.gate import Gate
+from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle
+
+
+@pytest.fixture
+def gate_over_file(tmp_path):
+    """(gate, recorder, clock, backend) over a SQLite ledger and file locks in tmp_path."""
+    made = []
+
+    def make(instance: str = "u1", max_workers: int = 4):
+        backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance, namespace=77)
+        backend.migrate()
+        seen, clock = Recorder(), FakeMonotonic()
+        gate = Gate(
+            backend,
+            instance=instance,
+            max_workers=max_workers,
+            holder_timeout=30,
+            listeners=[seen],
+            monotonic=clock,
+        )
+        made.append(gate)
+        return gate, seen, clock, backend
+
+    yield make
+    for gate in made:
+        gate.backend.close()
+
+
+class Calls:
+    """Wraps a backend method: records each batch it was given, may fail some."""
+
+    def __init__(self, method, fail_if=lambda requests: False) -> None:
+        self.method, self.fail_if, self.batches = method, fail_if, []
+
+    def __call__(self, requests, *args):
+        self.batches.append(list(requests))
+        if self.fail_if(requests):
+            raise RuntimeError("canceling statement due to lock timeout")
+        return self.method(requests, *args)
+
+
+def test_a_job_running_here_has_its_next_ticks_skipped_without_its_lock(gate_over_file):
+    release = threading.Event()
+    job = make_job(11, lambda ctx: release.wait(10), name="long")
+    gate, seen, _, backend = gate_over_file()
+    backend.claim = Calls(backend.claim)
+    gate.submit(job, now_tick(-2))
+    settle(gate, lambda: seen.of(events.RunStarted), "the run")
+    gate.submit(job, now_tick(-1))
+    settle(gate, lambda: seen.of(events.TickSkipped), "the skip")
+    assert backend.claim.batches[-1][0].intent is Intent.SKIP
+    assert seen.of(events.TickSkipped)[0].holder == "u1"
+    release.set()
+    settle(gate, lambda: seen.of(events.RunFinished), "the finish")
+
+
+def test_a_burst_is_claimed_in_one_round_trip(gate_over_file):
+    jobs = [make_job(20 + i, lambda ctx: None, name=f"j{i}") for i in range(5)]
+    gate, seen, _, backend = gate_over_file(max_workers=10)
+    backend.claim = Calls(backend.claim)
+    tick = now_tick(-1)
+    with gate.burst():
+        for job in jobs:
+            gate.submit(job, tick)
+        gate.step()  # the burst is not complete yet: nothing is claimed
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 5, "five runs")
+    assert [len(batch) for batch in backend.claim.batches] == [5]
+
+
+def test_ticks_beyond_the_free_workers_wait_for_one(gate_over_file):
+    release = threading.Event()
+    first = make_job(31, lambda ctx: release.wait(10), name="first")
+    second = make_job(32, lambda ctx: None, name="second")
+    gate, seen, _, _ = gate_over_file(max_workers=1)
+    gate.submit(first, now_tick(-1))
+    settle(gate, lambda: seen.of(events.RunStarted), "the first run")
+    gate.submit(second, now_tick(-1))
+    gate.step()
+    assert [e.job for e in seen.of(events.RunStarted)] == ["first"]
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunStarted)) == 2, "the waiting tick")
+
+
+def test_a_failed_claim_is_tried_again_later_and_apart_from_healthy_ticks(gate_over_file):
+    poisoned = make_job(41, lambda ctx: None, name="poisoned")
+    healthy = make_job(42, lambda ctx: None, name="healthy")
+    gate, seen, clock, backend = gate_over_file()
+    failing = {"on": True}
+    backend.claim = Calls(
+        backend.claim, fail_if=lambda rs: failing["on"] and any(r.key == 41 for r in rs)
+    )
+    tick = now_tick(-1)
+    gate.submit_all([poisoned, healthy], tick)
+    gate.step()  # both in one batch: it fails; nobody is told anything
+    assert not seen.of(events.RunStarted) and not seen.of(events.LockSessionLost)
+    # At once, each alone: the healthy tick runs, the other waits for its retry.
+    settle(gate, lambda: seen.of(events.RunStarted), "the healthy job's tick")
+    assert [e.job for e in seen.of(events.RunStarted)] == ["healthy"]
+    assert [41] in [[r.key for r in batch] for batch in backend.claim.batches]  # tried alone
+    tries = len(backend.claim.batches)
+    gate.step()
+    assert len(backend.claim.batches) == tries  # not before its delay
+    failing["on"] = False
+    clock.now += 2.0  # the retry is due: tried alone
+    settle(gate, lambda: len(seen.of(events.RunStarted)) == 2, "the retried tick")
+    assert [r.key for r in backend.claim.batches[-1]] == [41]
+
+
+def test_a_finish_that_fails_as_a_batch_is_recorded_one_row_at_a_time(gate_over_file):
+    jobs = [make_job(50 + i, lambda ctx: None, name=f"f{i}") for i in range(3)]
+    gate, seen, _, backend = gate_over_file()
+    backend.finish = Calls(backend.finish, fail_if=lambda rs: len(rs) > 1)
+    with gate.burst():
+        for job in jobs:
+            gate.submit(job, now_tick(-1))
+    settle(gate, lambda: len(seen.of(events.RunStarted)) == 3, "three runs")
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 3, "three finishes")
+    assert all(e.recorded for e in seen.of(events.RunFinished))
+
+
+def test_a_run_that_stops_when_told_is_interrupted_and_says_what_it_was_told(gate_over_file):
+    def careful(ctx):
+        ctx.stopping.wait(10)
+        raise Interrupted("told to stop")
+
+    job = make_job(61, careful, name="careful")
+    gate, seen, _, _ = gate_over_file()
+    gate.start()
+    gate.submit(job, now_tick(-1))
+    settle(gate, lambda: seen.of(events.RunStarted), "the run")
+    assert gate.stop(grace=10) == []
+    (finished,) = seen.of(events.RunFinished)
+    assert (finished.status, finished.told, finished.error) == (
+        "interrupted",
+        "stopping",
+        "told to stop",
+    )
+    assert finished.recorded
+
+
+def test_a_run_started_after_its_session_was_told_gets_a_fresh_event(gate_over_file):
+    release = threading.Event()
+    job = make_job(71, lambda ctx: release.wait(10), name="blocking")
+    other = make_job(72, lambda ctx: None, name="other")
+    gate, seen, _, _ = gate_over_file()
+    gate.submit(job, now_tick(-1))
+    settle(gate, lambda: seen.of(events.RunStarted), "the first run")
+    told = gate.session.tell("the session was lost")
+    assert told.lock_lost.is_set()
+    assert not gate.session.generation.lock_lost.is_set()
+    gate.submit(other, now_tick(-1))
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 1, "the other run")
+    assert not seen.of(events.RunFinished)[0].lock_lost
+    release.set()
+
+
+def test_a_manual_trigger_runs_through_the_gate(gate_over_file):
+    job = make_job(81, lambda ctx: None, name="by_hand")
+    gate, seen, _, _ = gate_over_file()
+    gate.start()
+    try:
+        result = gate.trigger(job, timeout=20)
+    finally:
+        gate.stop(5)
+    assert result.outcome is Outcome.RUN and result.status == "succeeded"
+    assert seen.of(events.RunStarted)[0].manual
