@@ -84,7 +84,7 @@ def test_a_forked_child_does_not_keep_a_lock_its_parent_gave_up(tmp_path):
     assert a.locks.try_lock(11)
     child = os.fork()
     if child == 0:  # the child lives on a while, as a worker process would
-        time.sleep(3)
+        time.sleep(1)
         os._exit(0)
     try:
         a.locks.unlock(11)

@@ -310,40 +310,6 @@ def test_refused_in_process(name, command, tmp_path, capsys, monkeypatch):
     assert_refused(case, code, captured.out, captured.err)
 
 
-SUBPROCESS_CASES = [
-    ("run", "password with @ and #"),
-    ("run", "password with a bad percent escape"),
-    ("run", "billion laughs"),
-    ("run", "deeply nested"),
-    ("run", "not UTF-8"),
-    ("run", "holder_timeout infinite"),
-    ("run", "interval 1e308"),
-    ("run", "webhook port out of range"),
-    ("run", "instance name with slashes"),
-    ("run", "bare @job"),
-    ("check", "password with @ and #"),
-    ("check", "misspelled database_url"),
-    ("status", "port out of range"),
-    ("history", "billion laughs"),
-    ("jobs", "job file linked from outside"),
-]
-
-
-@pytest.mark.parametrize(("command", "name"), SUBPROCESS_CASES)
-def test_refused_by_a_real_process(command, name, tmp_path):
-    case = CASES[name]
-    config = project(tmp_path, case)
-    result = subprocess.run(
-        [sys.executable, "-m", "scheduler", command, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,  # a `run` that starts instead of refusing fails here
-        env={"PATH": "/usr/bin:/bin", **case.env},
-        cwd=tmp_path,
-    )
-    assert_refused(case, result.returncode, result.stdout, result.stderr)
-
-
 # Connection-time messages of `scheduler check`: the URL is valid, the database is not there.
 
 
@@ -568,9 +534,3 @@ def run_against(url: str, tmp_path: Path, timeout: float) -> subprocess.Complete
         env={"PATH": "/usr/bin:/bin", "SCHEDULER_DATABASE_URL": url},
         cwd=tmp_path,
     )
-
-
-def test_run_waits_for_a_database_that_is_not_up_yet(tmp_path):
-    """Refused connections pass (the database may be starting): retried, not an exit."""
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_against("postgresql://postgres@127.0.0.1:1/db", tmp_path, timeout=5)

@@ -5,24 +5,28 @@ from __future__ import annotations
 import os
 import selectors
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from scheduler.errors import ConfigError
-from scheduler.http_server import MAX_CONNECTIONS, REQUEST_TIMEOUT, HealthServer
+from scheduler.http_server import MAX_CONNECTIONS, HealthServer
 from tests.support import wait_for
+
+REQUEST_TIMEOUT = 1.5  # the endpoint's is 5 s; the mechanism is the same, the test shorter
 
 
 @pytest.fixture
 def server() -> Iterator[HealthServer]:
     health = HealthServer(
-        "127.0.0.1", 0, live=lambda: True, ready=lambda: True, metrics=lambda: b"# EOF\n"
+        "127.0.0.1",
+        0,
+        live=lambda: True,
+        ready=lambda: True,
+        metrics=lambda: b"# EOF\n",
+        request_timeout=REQUEST_TIMEOUT,
     )
     health.start()
     yield health
@@ -126,27 +130,3 @@ def test_an_unresolvable_host_is_a_config_error():
         HealthServer(
             "no-such-host.invalid", 0, live=lambda: True, ready=lambda: True, metrics=bytes
         )
-
-
-@pytest.mark.fleet
-def test_a_busy_port_is_one_line_and_exit_2(tmp_path: Path):
-    (tmp_path / "jobs").mkdir()
-    (tmp_path / "config.yaml").write_text("jobs: {}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
-    with socket.create_server(("0.0.0.0", 0)) as taken:
-        port = taken.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, "-m", "scheduler", "run", "--http-port", str(port)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("scheduler: ")]
-    assert errors == [
-        f"scheduler: http_port {port} on 0.0.0.0: already in use"
-        " (another process is listening there)"
-    ], done.stderr
