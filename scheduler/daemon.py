@@ -129,8 +129,10 @@ class Daemon:
         *,
         backend: Backend | None = None,
         listeners: Sequence[events.Listener] = (),
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.monotonic = monotonic
         self.settings = config.settings
         self.catalog = catalog
         self.backend = backend or open_backend(self.settings)
@@ -195,7 +197,7 @@ class Daemon:
         rest is retried, at ERROR once it has lasted a minute.
         """
         backoff = Backoff(first=0.5, cap=5.0)
-        since = time.monotonic()
+        since = self.monotonic()
         while not self.stop_requested.is_set():
             try:
                 self.backend.verify()
@@ -211,7 +213,7 @@ class Daemon:
                 if found == 0:
                     log.info("created the ledger schema")
                 return True
-            waited = time.monotonic() - since
+            waited = self.monotonic() - since
             level = logging.ERROR if waited > 60 else logging.WARNING
             log.log(level, "database unreachable (%s); retrying", problem)
             self.stop_requested.wait(backoff.next_delay() + 0.5)

@@ -307,8 +307,8 @@ def track_jobs(engine: Any, entries: list[tuple[int, str, str]], now: datetime) 
     ]
     if new:  # new rows lock nothing another transaction holds: one statement, in key order
         with engine.begin() as conn:
-            statement = upsert(conn, jobs).values(new)
-            conn.execute(statement.on_conflict_do_nothing(index_elements=[jobs.c.job_key]))
+            statement = upsert(conn, jobs).on_conflict_do_nothing(index_elements=[jobs.c.job_key])
+            conn.execute(statement, new)
     for key, name, schedule in sorted(entries):
         if key in known and known[key] != (name, schedule):
             with engine.begin() as conn:
@@ -377,22 +377,20 @@ def record_missed(conn: Connection, missing: list[tuple[int, str, datetime]], in
         return 0
     statement = (
         upsert(conn, ticks)
-        .values(
-            [
-                {
-                    "job_key": key,
-                    "scheduled_at": tick,
-                    "job_name": name,
-                    "status": Status.MISSED,
-                    "instance": instance,
-                }
-                for key, name, tick in missing
-            ]
-        )
         .on_conflict_do_nothing(index_elements=[ticks.c.job_key, ticks.c.scheduled_at])
         .returning(ticks.c.scheduled_at)
     )
-    return len(conn.execute(statement).all())
+    rows = [
+        {
+            "job_key": key,
+            "scheduled_at": tick,
+            "job_name": name,
+            "status": Status.MISSED,
+            "instance": instance,
+        }
+        for key, name, tick in missing
+    ]
+    return len(conn.execute(statement, rows).all())
 
 
 def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> int:
@@ -553,7 +551,7 @@ def register(
         )
     conn.execute(delete(registrations).where(registrations.c.instance == instance))
     if rows:
-        conn.execute(registrations.insert().values(rows))
+        conn.execute(registrations.insert(), rows)
 
 
 def supersede(conn: Connection, live: set[str], now: datetime) -> int:

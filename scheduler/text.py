@@ -29,6 +29,8 @@ def printable(text: str | None) -> str:
     """One line, with control characters shown as escapes (`\\n`, `\\x1b`)."""
     if text is None:
         return ""
+    if text.isprintable():  # the usual case, and cheap: no control character, no surrogate
+        return text
     text = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", str(text))
     return _CONTROL.sub(_escape, text)
 

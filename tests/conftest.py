@@ -154,6 +154,8 @@ def backends(request, tmp_path):
     yield make
     for backend in opened:
         backend.close()
+        if hasattr(backend, "ledger_engine"):
+            backend.ledger_engine.dispose()
 
 
 GATE_NAMESPACE = 4343
@@ -194,3 +196,4 @@ def gate_factory(database_url):
     yield make
     for gate in made:
         gate.backend.close()
+        gate.backend.ledger_engine.dispose()

@@ -60,8 +60,7 @@ class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at on
     notices: tuple[int, ...] = ()  # outbox notices this claim raised (see `scheduler.notices`)
 
 
-@dataclass(frozen=True)
-class FinishRequest:
+class FinishRequest(NamedTuple):  # a tuple: a burst's finishes make hundreds of these
     key: int
     scheduled_at: datetime
     run_id: int

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from sqlalchemy import Connection, event, func, select
@@ -61,6 +61,37 @@ log = logging.getLogger("scheduler.postgres")
 PRESENCE_KEY = 0  # every live replica holds (lock_namespace, 0) in share mode
 TAKEOVER_S = 0.1  # a tick left unclaimed this long after its time is anyone's (see the SQL)
 SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
+
+
+CLAIM_COLUMNS = (
+    "job_key", "scheduled_at", "outcome", "run_id", "started_at", "holder", "holder_since",
+    "streak", "alert", "notice", "crashed", "live", "rank", "db_now", "deferred_after",
+    "deferred_key",
+)  # fmt: skip
+FINISH_COLUMNS = (
+    "job_key", "scheduled_at", "recorded", "finished_at", "failures", "alert", "recovered",
+    "skips_recovered", "notices",
+)  # fmt: skip
+
+
+_OUTCOME, _LIVE = CLAIM_COLUMNS.index("outcome"), CLAIM_COLUMNS.index("live")
+
+
+class Summary(NamedTuple):
+    """The claim's `fleet` row: the fleet as the claim saw it, and where deferral began."""
+
+    live: int
+    rank: int
+    db_now: datetime
+    deferred_after: datetime | None
+    deferred_key: int | None
+
+
+def named(result: Any, columns: tuple[str, ...]) -> list[Any]:
+    """A function's rows (they unpack like tuples), once its columns are the ones unpacked here."""
+    if tuple(result.keys()) != columns:
+        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {columns}")
+    return result.all()
 
 
 def share_of(key: int, live: int) -> int:
@@ -254,25 +285,30 @@ class PostgresBackend:
             "thresholds": pg_numbers([r.skip_threshold for r in sent]),
         }
         with self._session() as conn:
-            rows = conn.execute(QUERIES["claim"], params).all() if sent else []
+            rows = named(conn.execute(QUERIES["claim"], params), CLAIM_COLUMNS) if sent else []
+        # Rows are unpacked by the names of scheduler_claim's columns (checked by `named`):
+        # a hundred rows' attribute lookups would cost more than the claim's own work here.
         results = [
             ClaimResult(
-                row.job_key,
-                row.scheduled_at,
-                Outcome(row.outcome),
-                row.run_id,
-                row.started_at,
-                row.holder,
-                row.holder_since,
-                row.streak,
-                row.alert,
-                row.crashed,
-                () if row.notice is None else (row.notice,),
+                job_key,
+                scheduled_at,
+                Outcome(outcome),
+                run_id,
+                started_at,
+                holder,
+                holder_since,
+                streak,
+                alert,
+                crashed,
+                () if notice is None else (notice,),
             )
-            for row in rows
-            if row.outcome != "fleet"
-        ]
-        summary = next((row for row in rows if row.outcome == "fleet"), None)
+            for (
+                job_key, scheduled_at, outcome, run_id, started_at, holder, holder_since, streak,
+                alert, notice, crashed, *_,
+            ) in rows
+            if outcome != "fleet"
+        ]  # fmt: skip
+        summary = next((Summary(*row[_LIVE:]) for row in rows if row[_OUTCOME] == "fleet"), None)
         if summary is not None:
             self._fleet = (summary.live, summary.rank)
             results += self._unanswered(sent, results, summary)
@@ -341,21 +377,17 @@ class PostgresBackend:
             "next_dues": pg_times([r.next_due for r in requests]),
         }
         with self._session() as conn:
-            rows = conn.execute(QUERIES["finish"], params).all()
+            rows = named(conn.execute(QUERIES["finish"], params), FINISH_COLUMNS)
         return [
             FinishResult(
-                row.job_key,
-                row.scheduled_at,
-                row.recorded,
-                row.finished_at,
-                row.failures,
-                row.alert,
-                row.recovered,
-                row.skips_recovered,
-                tuple(row.notices),
+                job_key, scheduled_at, recorded, finished_at, failures, alert, recovered,
+                skips_recovered, tuple(notices),
             )
-            for row in rows
-        ]
+            for (
+                job_key, scheduled_at, recorded, finished_at, failures, alert, recovered,
+                skips_recovered, notices,
+            ) in rows
+        ]  # fmt: skip
 
     def heartbeat(self) -> datetime:
         with self._session() as conn:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import datetime
 
 from scheduler import events
 from scheduler.backends.base import FinishRequest, FinishResult, LockStore, Outcome, SessionLost
@@ -46,6 +47,8 @@ class Finishes:
         self.paused_until = 0.0  # after a batch some of whose rows could not be recorded
         self._mutex = threading.Lock()
         self._waiting: list[Run] = []
+        # The next tick after a tick, per schedule: a burst's runs share both.
+        self._next_due: dict[tuple[object, datetime], datetime | None] = {}
 
     def ended(self, run: Run, status: Status, error: str | None) -> None:
         """A run returned (any thread): its finish waits for the dispatcher."""
@@ -135,8 +138,19 @@ class Finishes:
             fail_threshold=job.fail_threshold,
             told=ending.told,
             duration_s=round(ending.duration_s, 6),
-            next_due=tick_after(job.trigger, run.ctx.scheduled_at) if job.scheduled else None,
+            next_due=self._due_after(run),
         )
+
+    def _due_after(self, run: Run) -> datetime | None:
+        job, tick = run.job, run.ctx.scheduled_at
+        if not job.scheduled:
+            return None
+        cached = (job.trigger, tick)  # the trigger itself: an id could be reused
+        if cached not in self._next_due:
+            if len(self._next_due) > 1024:
+                self._next_due.clear()
+            self._next_due[cached] = tick_after(job.trigger, tick)
+        return self._next_due[cached]
 
     def _report(self, run: Run, outcome: FinishResult) -> None:
         ending = run.ended

@@ -73,16 +73,14 @@ def die(backend) -> None:
         return
     pid = backend._conn.connection.driver_connection.info.backend_pid
     backend.close()
-    with backend.ledger_engine.connect() as conn:
-        wait_for(
-            lambda: (
-                not conn.execute(
-                    text("SELECT 1 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
-                ).first()
-            ),
-            10,
-            "the server to end the session",
-        )
+
+    def ended() -> bool:
+        # A transaction of its own per look: pg_stat_activity is read once per transaction.
+        with backend.ledger_engine.connect() as conn:
+            query = text("SELECT 1 FROM pg_stat_activity WHERE pid = :pid")
+            return conn.execute(query, {"pid": pid}).first() is None
+
+    wait_for(ended, 10, "the server to end the session")
 
 
 def rows(backend) -> dict[datetime, dict]:

@@ -304,3 +304,12 @@ def test_an_unknown_environment_variable_is_never_echoed(tmp_path, capsys, monke
     main(["check", "--config", str(config)])
     captured = capsys.readouterr()
     assert "s3cr3tpw" not in captured.out + captured.err
+
+
+def test_the_version_is_one_line(capsys):
+    from scheduler import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"scheduler {__version__}"

@@ -181,3 +181,23 @@ def test_a_manual_trigger_runs_through_the_gate(gate_over_file):
         gate.stop(5)
     assert result.outcome is Outcome.RUN and result.status == "succeeded"
     assert seen.of(events.RunStarted)[0].manual
+
+
+def test_the_ledger_keeps_the_runs_own_duration(gate_over_file):
+    """Measured where it ran, not the time between its row's start and its finish's commit.
+
+    Here the replica's (fake) clock says the run took 5 s, while the ledger's own
+    timestamps are about 0.2 s apart: the ledger keeps the replica's measure.
+    """
+    job = make_job(91, lambda ctx: threading.Event().wait(0.2), name="timed")
+    gate, seen, clock, backend = gate_over_file()
+    gate.submit(job, now_tick(-1))
+    settle(gate, lambda: seen.of(events.RunStarted), "the run")
+    clock.now += 5
+    settle(gate, lambda: seen.of(events.RunFinished), "the finish")
+    (finished,) = seen.of(events.RunFinished)
+    from scheduler import ledger
+
+    with backend.ledger_engine.connect() as conn:
+        (row,) = ledger.history(conn, 91, 1)
+    assert row.duration_s == round(finished.duration_s, 6)
