@@ -522,11 +522,14 @@ def register(
             key = (r.key, r.schedule)
             heirs[key] = min(r.since, heirs.get(key, r.since))
     wanted = {(key, schedule) for key, _, schedule in entries}
-    inherited = [pair for pair in heirs if pair in wanted]
-    for key, schedule in inherited:  # the gone replicas' rows live on in this one's
+    inherited: dict[str | None, list[int]] = {}
+    for key, schedule in heirs:
+        if (key, schedule) in wanted:
+            inherited.setdefault(schedule, []).append(key)
+    for schedule, keys in inherited.items():  # the gone replicas' rows live on in this one's
         conn.execute(
             delete(registrations).where(
-                registrations.c.job_key == key,
+                registrations.c.job_key.in_(sorted(keys)),
                 registrations.c.schedule.is_not_distinct_from(schedule),
                 registrations.c.until.is_(None),
                 registrations.c.instance.not_in([*live, instance]),

@@ -98,14 +98,17 @@ class Claims:
             return
         jobs = {job.key: job for job, _, _ in batch.requests}
         self.start([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], None)
+        deferred, yielded = [], []
         for result in results:
             job = jobs[result.key]
             if result.outcome is Outcome.DEFERRED:  # tried again when a worker frees
-                self.queue.requeue(job, result.scheduled_at)
+                deferred.append((job, result.scheduled_at))
             elif result.outcome is Outcome.YIELDED:  # tried again once anyone may take it
-                self.queue.requeue(job, result.scheduled_at, delay=YIELDED_RETRY)
+                yielded.append((job, result.scheduled_at))
             elif result.outcome is not Outcome.RUN:
                 self._report(job, result)
+        self.queue.requeue(deferred)
+        self.queue.requeue(yielded, delay=YIELDED_RETRY)
 
     def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
         try:

@@ -110,7 +110,7 @@ class TickQueue:
         """The batches to claim now: the healthy entries together, each failed one alone.
 
         A job running here gets every queued tick as `skip`; a job free to run
-        gets its newest tick as `run`, while workers are free (older ones were
+        gets its newest tick as `run` if any worker is free (older ones were
         not claimed in time here: the other replicas or the sweep record them).
         """
         now = self.monotonic()
@@ -128,7 +128,8 @@ class TickQueue:
                 if state is Running.NOT:
                     if capacity <= 0:
                         continue  # waits for a free worker; another replica may take it
-                    capacity -= 1
+                    # Every one goes, however few workers are free: most of a burst is
+                    # other replicas' share, and the claim wins at most `capacity` runs.
                     requests = [(entry.job, entry.ticks[-1], Intent.RUN)]
                 else:
                     requests = [(entry.job, tick, Intent.SKIP) for tick in entry.ticks]
@@ -165,9 +166,15 @@ class TickQueue:
                     entry.since = min(entry.since, queued.since)
                 self._pending[entry.job.key] = entry
 
-    def requeue(self, job: CatalogJob, tick: datetime, delay: float = 0.0) -> None:
-        """A single tick back (deferred: no free worker; yielded: another replica's share)."""
-        self.put_back([Pending(job, [tick], self.monotonic())], delay=delay)
+    def requeue(self, ticks: Sequence[tuple[CatalogJob, datetime]], delay: float = 0.0) -> None:
+        """Ticks back, due together (deferred: no free worker; yielded: another's share).
+
+        One clock reading for all: ticks due a few microseconds apart would be
+        claimed in as many round trips.
+        """
+        if ticks:
+            now = self.monotonic()
+            self.put_back([Pending(job, [tick], now) for job, tick in ticks], delay=delay)
 
     def __len__(self) -> int:
         with self._mutex:

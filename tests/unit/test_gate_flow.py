@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from scheduler import events
-from scheduler.backends.base import Intent, Outcome
+from scheduler.backends.base import ClaimResult, Intent, Outcome
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.context import Interrupted
 from scheduler.gate import Gate
@@ -23,10 +23,10 @@ def gate_over_file(tmp_path):
     """(gate, recorder, clock, backend) over a SQLite ledger and file locks in tmp_path."""
     made = []
 
-    def make(instance: str = "u1", max_workers: int = 4):
+    def make(instance: str = "u1", max_workers: int = 4, clock: FakeMonotonic | None = None):
         backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance, namespace=77)
         backend.migrate()
-        seen, clock = Recorder(), FakeMonotonic()
+        seen, clock = Recorder(), clock or FakeMonotonic()
         gate = Gate(
             backend,
             instance=instance,
@@ -82,6 +82,57 @@ def test_a_burst_is_claimed_in_one_round_trip(gate_over_file):
         gate.step()  # the burst is not complete yet: nothing is claimed
     settle(gate, lambda: len(seen.of(events.RunFinished)) == 5, "five runs")
     assert [len(batch) for batch in backend.claim.batches] == [5]
+
+
+def test_a_burst_larger_than_the_free_workers_is_still_claimed_in_one_round_trip(
+    gate_over_file,
+):
+    release = threading.Event()
+    jobs = [make_job(80 + i, lambda ctx: release.wait(10), name=f"w{i}") for i in range(5)]
+    gate, seen, _, backend = gate_over_file(max_workers=3)
+    backend.claim = Calls(backend.claim)
+    gate.submit_all(jobs, now_tick(-1))
+    gate.step()
+    # All five are offered at once (in a fleet most would be other replicas' share);
+    # the claim wins three, the workers there are, and defers the rest.
+    assert [len(batch) for batch in backend.claim.batches] == [5]
+    assert len(seen.of(events.RunStarted)) == 3
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 5, "the deferred two to run too")
+
+
+class Passing(FakeMonotonic):
+    """A clock that moves on a microsecond each time it is read, as a real one does."""
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def test_ticks_left_to_other_replicas_are_tried_again_in_one_round_trip(gate_over_file):
+    jobs = [make_job(60 + i, lambda ctx: None, name=f"y{i}") for i in range(40)]
+    gate, seen, clock, backend = gate_over_file(max_workers=50, clock=Passing())
+    claim = backend.claim
+
+    def others_first(requests, *args):
+        if len(calls.batches) > 1:
+            return claim(requests, *args)
+        # The first time, as a fleet of two would answer: the odd keys are the other's share.
+        mine = [r for r in requests if r.key % 2 == 0]
+        theirs = [ClaimResult(r.key, r.scheduled_at, Outcome.YIELDED) for r in requests]
+        return claim(mine, *args) + [t for t in theirs if t.key % 2]
+
+    calls = Calls(others_first)
+    backend.claim = calls
+    gate.submit_all(jobs, now_tick(-1))
+    gate.step()
+    assert len(seen.of(events.RunStarted)) == 20
+    # The other replica did not take them in time: this one tries, waking when the
+    # dispatcher would (at the first of them), and takes them all in one claim.
+    clock.now = gate.queue.next_due(capacity=50)
+    gate.step()
+    assert [len(batch) for batch in calls.batches] == [40, 20]
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 40, "every tick to run")
 
 
 def test_ticks_beyond_the_free_workers_wait_for_one(gate_over_file):
