@@ -31,7 +31,7 @@ from scheduler.catalog import Catalog, CatalogJob
 from scheduler.config import Config
 from scheduler.errors import ConfigError, one_line
 from scheduler.gate import Backoff, Gate
-from scheduler.housekeeping import Housekeeping
+from scheduler.housekeeping import Housekeeping, NameInUse
 from scheduler.logs import stop_logging
 from scheduler.notices import Notices
 from scheduler.pings import Pings
@@ -198,11 +198,16 @@ class Daemon:
         """
         backoff = Backoff(first=0.5, cap=5.0)
         since = self.monotonic()
+        name_taken: float | None = None  # when this replica's name was first found in use
         while not self.stop_requested.is_set():
             try:
                 self.backend.verify()
                 found = self.backend.migrate()
                 self.housekeeping.track_jobs()
+            except NameInUse as exc:
+                name_taken = self._name_in_use(exc, name_taken)
+                self.stop_requested.wait(1.0)
+                continue
             except Unavailable as exc:
                 problem = str(exc)
             except SQLAlchemyError as exc:  # no passing database error ends the daemon
@@ -218,6 +223,29 @@ class Daemon:
             log.log(level, "database unreachable (%s); retrying", problem)
             self.stop_requested.wait(backoff.next_delay() + 0.5)
         return False
+
+    def _name_in_use(self, exc: NameInUse, since: float | None) -> float:
+        """Wait for a session holding this replica's name to end, then refuse.
+
+        A replica restarted at once (SIGKILL, OOM, a host that came back) can find
+        its earlier session still up: the server ends it within `holder_timeout`
+        (idle_session_timeout) or sooner (a statement that was waiting times
+        out). A second live replica of the same name keeps its session: after
+        that wait, the start is refused (exit 2).
+        """
+        now = self.monotonic()
+        patience = 2 * self.settings.holder_timeout + 5
+        if since is None:
+            log.warning(
+                "%s; waiting up to %g s in case it is this replica's earlier session, "
+                "still ending after a restart",
+                exc,
+                patience,
+            )
+            return now
+        if now - since > patience:
+            raise exc
+        return since
 
     def _say(self, exc: BaseException) -> str:
         say = getattr(self.backend, "say", None)

@@ -43,6 +43,11 @@ MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight
 
 
+class NameInUse(ConfigError):
+    """A live session uses this replica's instance name: a second replica of that name, or
+    this one's earlier session, still ending after a quick restart (the daemon waits)."""
+
+
 class Housekeeping:
     def __init__(
         self,
@@ -63,9 +68,9 @@ class Housekeeping:
     def track_jobs(self) -> None:
         """Register this replica's jobs and schedules, refusing what would mix two fleets.
 
-        A replica whose name a live replica already uses, or whose job key a live
-        replica runs under another job name (two projects on one schema), does
-        not start: ConfigError, exit 2, naming both.
+        A replica whose name a live replica already uses (NameInUse), or whose job
+        key a live replica runs under another job name (two projects on one
+        schema), does not start: ConfigError, exit 2, naming both.
         """
         engine = self.backend.ledger_engine
         me = self.settings.instance_name
@@ -74,7 +79,7 @@ class Housekeeping:
             live = {i["name"]: i for i in self.backend.live_instances(conn)}
             if me in live:
                 since = live[me].get("since")
-                raise ConfigError(
+                raise NameInUse(
                     f"instance_name {me!r} is in use by a live replica"
                     + (f" (up since {since})" if since else "")
                     + ": give each replica its own name (SCHEDULER_INSTANCE_NAME)"

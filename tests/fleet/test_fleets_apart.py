@@ -76,7 +76,11 @@ def test_a_key_a_live_replica_runs_under_another_name_refuses_to_start(
         refused = other.start("b1")
         code = refused.wait(60)
         clash = refused.log()
-        same_name = first.start("a1-again", env={"SCHEDULER_INSTANCE_NAME": "a1"})
+        # It waits 2 x holder_timeout + 5 s (9 s here) in case a1's session is its own
+        # earlier one, still ending after a restart; a1 stays up: refused.
+        same_name = first.start(
+            "a1-again", env={"SCHEDULER_INSTANCE_NAME": "a1", "SCHEDULER_HOLDER_TIMEOUT": "2"}
+        )
         same_code = same_name.wait(60)
     finally:
         first.kill_all()

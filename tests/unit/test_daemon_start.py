@@ -8,11 +8,14 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
+
 from scheduler.backends.base import Unavailable
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.catalog import load_catalog
 from scheduler.config import load_config
 from scheduler.daemon import Daemon
+from scheduler.errors import ConfigError
 from tests.support import FakeMonotonic
 
 
@@ -95,3 +98,41 @@ def test_a_stop_while_waiting_for_the_database_ends_the_wait(tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="scheduler"):
         assert not subject.prepare()
     assert backend.tries == 1
+
+
+def name_taken(subject: Daemon, times: int) -> list[float]:
+    """track_jobs finds the replica's name in use `times` times; returns when it looked."""
+    from scheduler.housekeeping import NameInUse
+
+    looked: list[float] = []
+    original = subject.housekeeping.track_jobs
+
+    def track_jobs() -> None:
+        looked.append(subject.monotonic())
+        if len(looked) <= times:
+            raise NameInUse("instance_name 'r1' is in use by a live replica")
+        original()
+
+    subject.housekeeping.track_jobs = track_jobs  # type: ignore[method-assign]
+    return looked
+
+
+def test_a_replica_restarted_at_once_waits_for_its_earlier_session_to_end(
+    tmp_path, monkeypatch, caplog
+):
+    subject, _ = daemon(tmp_path, monkeypatch, failures=0, cost=0.0)
+    looked = name_taken(subject, times=5)  # its earlier session ends after about 5 s
+    with caplog.at_level(logging.WARNING, logger="scheduler"):
+        assert subject.prepare()
+    assert len(looked) == 6
+    waiting = [r for r in caplog.records if "in use by a live replica" in r.getMessage()]
+    assert len(waiting) == 1 and "earlier session" in waiting[0].getMessage()
+
+
+def test_a_second_live_replica_of_the_same_name_is_refused_after_the_wait(tmp_path, monkeypatch):
+    subject, _ = daemon(tmp_path, monkeypatch, failures=0, cost=0.0)
+    looked = name_taken(subject, times=10**6)
+    with pytest.raises(ConfigError, match="in use by a live replica"):
+        subject.prepare()
+    patience = 2 * subject.settings.holder_timeout + 5
+    assert patience < looked[-1] - looked[0] <= patience + 2
