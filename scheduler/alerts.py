@@ -14,6 +14,8 @@ Events (the `event` field of the webhook body):
   keeps up again.
 - ``job.failures_exceeded``: `fail_alert_after` consecutive runs of a job failed.
 - ``job.failures_recovered``: the job succeeded again after such a streak.
+- ``job.paused`` / ``job.resumed``: someone paused the job for the whole fleet
+  (`scheduler pause`), or resumed it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SKIPS_EXCEEDED = "job.skips_exceeded"
 RECOVERED = "job.recovered"
 FAILURES_EXCEEDED = "job.failures_exceeded"
 FAILURES_RECOVERED = "job.failures_recovered"
+JOB_PAUSED = "job.paused"
+JOB_RESUMED = "job.resumed"
 
 LEVELS = {
     SKIPS_EXCEEDED: logging.ERROR,
@@ -100,6 +104,14 @@ class Notice:
             return (
                 f"{self.job}: succeeded again on {f.get('instance')} after "
                 f"{f.get('consecutive_failures')} consecutive failed runs"
+            )
+        if self.event == JOB_PAUSED:
+            why = f": {f.get('reason')}" if f.get("reason") else ""
+            return f"{self.job}: paused for the fleet by {f.get('by')}{why}"
+        if self.event == JOB_RESUMED:
+            return (
+                f"{self.job}: resumed by {f.get('by')} (paused by {f.get('paused_by')} "
+                f"since {f.get('paused_at')})"
             )
         return f"{self.job}: {self.event}"
 

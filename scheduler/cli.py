@@ -1,4 +1,4 @@
-"""The command line: `scheduler run | check | jobs | status | history | trigger`.
+"""The command line: `scheduler run | check | jobs | status | history | trigger | pause | resume`.
 
 Configuration and usage errors exit 2 with one clear message and no
 traceback; no command ever prints a password or a webhook secret.
@@ -17,9 +17,9 @@ from typing import Any
 
 from scheduler import __version__
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog, load_catalog
+from scheduler.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.config import Config, load_config
-from scheduler.errors import ConfigError, one_line
+from scheduler.errors import ConfigError, one_line, shorten
 from scheduler.schedules import zone
 from scheduler.statuses import Status
 from scheduler.text import printable
@@ -69,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
         "trigger", parents=[common], help="run one tick of a job now, through the gate"
     )
     trigger.add_argument("job")
+    pause = commands.add_parser(
+        "pause", parents=[common], help="pause a job for the whole fleet (persisted)"
+    )
+    pause.add_argument("job")
+    pause.add_argument("--reason", help="why, kept with the pause and shown by `status`")
+    pause.add_argument("--by", help="who pauses it (default: user@host)")
+    resume = commands.add_parser("resume", parents=[common], help="resume a paused job")
+    resume.add_argument("job")
+    resume.add_argument("--by", help="who resumes it (default: user@host)")
     return parser
 
 
@@ -121,6 +130,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _history(config, catalog, args.job, args.limit, as_json=args.json)
     if args.command == "trigger":
         return _trigger(config, catalog, args.job)
+    if args.command == "pause":
+        return _pause(config, catalog, args.job, args.reason, args.by)
+    if args.command == "resume":
+        return _resume(config, catalog, args.job, args.by)
     raise ConfigError(f"unknown command {args.command!r}")  # pragma: no cover
 
 
@@ -179,12 +192,7 @@ def _jobs(
     """Every job (or one) and its next tick; with `--next N`, its next N ticks."""
     n = _preview_count(count) if count is not None else None
     now = _instant(after, config.settings.timezone) if after is not None else datetime.now(UTC)
-    jobs = list(catalog)
-    if name is not None:
-        job = catalog.by_name(name)
-        if job is None:
-            raise ConfigError(f"no job named {name!r} (see `scheduler jobs`)")
-        jobs = [job]
+    jobs = list(catalog) if name is None else [_named(catalog, name)]
     if n is None:
         rows = [{**job.as_json(now), "source": job.spec.source} for job in jobs]
         if as_json:
@@ -238,6 +246,13 @@ def _instant(text: str, default_zone: str) -> datetime:
         raise ConfigError(f"--after: {text!r} is out of range (years 1 to 9999)") from None
 
 
+def _named(catalog: Catalog, name: str) -> CatalogJob:
+    job = catalog.by_name(name)
+    if job is None:
+        raise ConfigError(f"no job named {shorten(name)!r} (see `scheduler jobs`)")
+    return job
+
+
 def _ledger_backend(config: Config) -> Backend:
     """The backend, for reading: the schema must exist (a replica creates it)."""
     from scheduler.backends import open_backend
@@ -273,12 +288,20 @@ def _status(config: Config, catalog: Catalog, *, as_json: bool) -> int:
                 "last": f"{last['status']} {last['finished_at'] or ''}".strip() if last else "",
                 "skips": f"{job['consecutive_skips']}/{job['skip_alert_after']}",
                 "alerting": "yes" if job["alerting"] else "",
+                "paused": _paused_cell(job["paused"]),
                 "next_tick": job["next_tick"],
             }
         )
     print()
-    _table(rows, ["job", "key", "running", "last", "skips", "alerting", "next_tick"])
+    _table(rows, ["job", "key", "running", "last", "skips", "alerting", "paused", "next_tick"])
     return EXIT_OK
+
+
+def _paused_cell(paused: dict[str, Any] | None) -> str:
+    if paused is None:
+        return ""
+    why = f": {paused['reason']}" if paused["reason"] else ""
+    return f"by {paused['by']} since {paused['at']}{why}"
 
 
 def _history(
@@ -286,12 +309,7 @@ def _history(
 ) -> int:
     from scheduler.status import history
 
-    key = None
-    if name is not None:
-        job = catalog.by_name(name)
-        if job is None:
-            raise ConfigError(f"no job named {name!r} (see `scheduler jobs`)")
-        key = job.key
+    key = None if name is None else _named(catalog, name).key
     rows = history(_ledger_backend(config), key, limit)
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -321,9 +339,7 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
     from scheduler.logs import setup_logging, stop_logging
     from scheduler.runlog import RunLog
 
-    job = catalog.by_name(name)
-    if job is None:
-        raise ConfigError(f"no job named {name!r} (see `scheduler jobs`)")
+    job = _named(catalog, name)
     settings = config.settings
     setup_logging(settings.log_format)
     backend = _ledger_backend(config)
@@ -354,6 +370,46 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
         + (f": {printable(result.error)}" if result.error else "")
     )
     return EXIT_OK if result.status == Status.SUCCEEDED else EXIT_FAILED
+
+
+def _pause(config: Config, catalog: Catalog, name: str, reason: str | None, by: str | None) -> int:
+    from scheduler import pauses
+
+    job = _named(catalog, name)
+    why = pauses.checked(reason, "--reason", pauses.MAX_REASON)
+    actor = pauses.checked(by, "--by", pauses.MAX_ACTOR) or pauses.default_actor()
+    backend = _ledger_backend(config)
+    try:
+        with backend.ledger_engine.begin() as conn:
+            pause, made = pauses.pause(
+                conn, job.key, job.name, by=actor, reason=why, now=datetime.now(UTC)
+            )
+    except Exception as exc:
+        raise ConfigError(f"cannot pause {job.name}: {one_line(exc)}") from None
+    if made:
+        print(f"{job.name}: {pause.describe()}")
+        print("  no replica starts it until `scheduler resume`; a run going now is not stopped")
+    else:
+        print(f"{job.name}: already {pause.describe()} (unchanged)")
+    return EXIT_OK
+
+
+def _resume(config: Config, catalog: Catalog, name: str, by: str | None) -> int:
+    from scheduler import pauses
+
+    job = _named(catalog, name)
+    actor = pauses.checked(by, "--by", pauses.MAX_ACTOR) or pauses.default_actor()
+    backend = _ledger_backend(config)
+    try:
+        with backend.ledger_engine.begin() as conn:
+            ended = pauses.resume(conn, job.key, job.name, by=actor, now=datetime.now(UTC))
+    except Exception as exc:
+        raise ConfigError(f"cannot resume {job.name}: {one_line(exc)}") from None
+    if ended is None:
+        print(f"{job.name}: not paused (unchanged)")
+    else:
+        print(f"{job.name}: resumed by {printable(actor)}; it was {ended.describe()}")
+    return EXIT_OK
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:

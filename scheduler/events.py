@@ -73,6 +73,14 @@ class TickMissed:
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
+class TickPaused:
+    job: str
+    key: int
+    scheduled_at: datetime
+    instance: str
+
+
+@dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
 class LockSessionUp:
     instance: str
     backend: str
@@ -85,7 +93,15 @@ class LockSessionLost:
     runs: tuple[str, ...]  # jobs whose ctx.lock_lost was set
 
 
-Event = RunStarted | RunFinished | TickSkipped | TickMissed | LockSessionUp | LockSessionLost
+Event = (
+    RunStarted
+    | RunFinished
+    | TickSkipped
+    | TickMissed
+    | TickPaused
+    | LockSessionUp
+    | LockSessionLost
+)
 Listener = Callable[[Event], None]
 
 
@@ -107,6 +123,9 @@ class Observer:
     def tick_missed(self, event: TickMissed) -> None:
         return None
 
+    def tick_paused(self, event: TickPaused) -> None:
+        return None
+
     def lock_session_up(self, event: LockSessionUp) -> None:
         return None
 
@@ -119,6 +138,7 @@ _METHODS: dict[type, str] = {
     RunFinished: "run_finished",
     TickSkipped: "tick_skipped",
     TickMissed: "tick_missed",
+    TickPaused: "tick_paused",
     LockSessionUp: "lock_session_up",
     LockSessionLost: "lock_session_lost",
 }

@@ -8,8 +8,9 @@ them (`ledger.elect`): the work does not grow with the number of replicas.
   replica that died; it is marked `crashed` even when the job's next tick is
   hours away.
 - Missed ticks: a tick that no replica claimed within its misfire grace (the
-  database was unreachable, or no replica was up) gets a `missed` row, at
-  most `MISSED_LIMIT` per job per sweep.
+  database was unreachable, or no replica was up) gets a `missed` row (or
+  `paused`, if the job is paused since before it), at most `MISSED_LIMIT` per
+  job per sweep.
 - Retention: rows older than `retention_days` are deleted in batches.
 """
 
@@ -194,6 +195,9 @@ class Housekeeping:
     ) -> int:
         """Ticks of enabled jobs that nobody claimed in time, since the previous sweep.
 
+        Those of a job paused at that tick are recorded `paused`, not `missed`
+        (the count returned is of the missed ones).
+
         Each sweep looks at the ticks that left their grace since the previous
         sweep (or since the job was tracked, bounded per job), so its cost
         follows the number of ticks, not the size of the ledger. A tick is
@@ -209,7 +213,10 @@ class Housekeeping:
         names = {job.key: job.name for job in self.catalog}
         missing = sorted((tick, key) for key, tick in expected if (key, tick) not in have)
         recorded = ledger.record_missed(
-            conn, [(key, names[key], tick) for tick, key in missing], self.settings.instance_name
+            conn,
+            [(key, names[key], tick) for tick, key in missing],
+            self.settings.instance_name,
+            ledger.paused_since(conn),
         )
         if recorded:
             log.warning("recorded %d missed tick(s): no replica claimed them in time", recorded)

@@ -7,6 +7,7 @@ inserts (the protocol is told in `scheduler.gate`). Both backends
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -160,6 +161,20 @@ notices = Table(
 PENDING_NOTICES_INDEX = text(
     "CREATE INDEX IF NOT EXISTS scheduler_notices_pending"
     " ON scheduler_notices (next_attempt_at) WHERE done_at IS NULL"
+)
+
+# Jobs paused for the whole fleet: while a job has a row here, its ticks are recorded
+# `paused` (by the claim, or by the sweep if no replica was up) and none runs; a manual
+# trigger still runs it. Resuming deletes the row: the pause in force is all it keeps;
+# the notices (`job.paused`, `job.resumed`) and the ticks' rows are the history.
+pauses = Table(
+    "scheduler_pauses",
+    metadata,
+    Column("job_key", Integer, primary_key=True),
+    Column("job_name", Text, nullable=False),
+    Column("paused_by", Text, nullable=False),
+    Column("paused_at", UTCDateTime(), nullable=False),
+    Column("reason", Text),
 )
 
 maintenance = Table(
@@ -371,26 +386,43 @@ def elect(conn: Connection, task: str, now: Any, every: float) -> tuple[datetime
     return (previous, row[0]) if row else None
 
 
-def record_missed(conn: Connection, missing: list[tuple[int, str, datetime]], instance: str) -> int:
-    """Rows for ticks nobody claimed, in the common order; a tick that has a row keeps it."""
+def record_missed(
+    conn: Connection,
+    missing: list[tuple[int, str, datetime]],
+    instance: str,
+    paused: dict[int, datetime] | None = None,
+) -> int:
+    """Rows for ticks nobody claimed, in the common order; a tick that has a row keeps it.
+
+    A tick of a job paused (`paused`: key -> since when) at that tick is recorded
+    `paused`, not `missed`: nobody was meant to run it. Returns the missed ones recorded.
+    """
     if not missing:
         return 0
+    paused = paused or {}
     statement = (
         upsert(conn, ticks)
         .on_conflict_do_nothing(index_elements=[ticks.c.job_key, ticks.c.scheduled_at])
-        .returning(ticks.c.scheduled_at)
+        .returning(ticks.c.status)
     )
     rows = [
         {
             "job_key": key,
             "scheduled_at": tick,
             "job_name": name,
-            "status": Status.MISSED,
+            "status": Status.PAUSED if key in paused and tick >= paused[key] else Status.MISSED,
             "instance": instance,
         }
         for key, name, tick in missing
     ]
-    return len(conn.execute(statement, rows).all())
+    return sum(1 for row in conn.execute(statement, rows) if row.status == Status.MISSED)
+
+
+def paused_since(conn: Connection) -> dict[int, datetime]:
+    """The jobs paused now, and since when (see `scheduler.pauses`)."""
+    return {
+        r.job_key: r.paused_at for r in conn.execute(select(pauses.c.job_key, pauses.c.paused_at))
+    }
 
 
 def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> int:
@@ -459,6 +491,36 @@ def leased_notices(conn: Connection, ids: list[int], instance: str) -> list[dict
         notices.c.id.in_(ids), notices.c.lease_by == instance, notices.c.done_at.is_(None)
     )
     return [dict(row._mapping) for row in conn.execute(query.order_by(notices.c.id))]
+
+
+def add_notice(
+    conn: Connection,
+    event: str,
+    key: int,
+    name: str,
+    facts: dict[str, Any],
+    *,
+    raised_by: str,
+    now: datetime,
+    scheduled_at: datetime | None = None,
+    deliverer: str | None = None,
+) -> int:
+    """Write a notice to the outbox. With a `deliverer`, leased to it (it delivers at once);
+    without one (a command line, not a replica), the next live replica's housekeeping adopts it.
+    """
+    statement = notices.insert().values(
+        event=event,
+        job_key=key,
+        job_name=name,
+        scheduled_at=scheduled_at,
+        facts=json.dumps(facts),
+        raised_by=raised_by,
+        raised_at=now,
+        lease_by=deliverer,
+        lease_until=now + NOTICE_LEASE if deliverer else None,
+        next_attempt_at=now,
+    )
+    return int(conn.execute(statement.returning(notices.c.id)).scalar_one())
 
 
 def notice_done(conn: Connection, notice: int, instance: str, now: Any, outcome: str) -> None:

@@ -49,6 +49,12 @@ class Metrics(events.Observer):
             ["job"],
             registry=r,
         )
+        self.paused = Counter(
+            "scheduler_job_paused_ticks",
+            "Ticks this replica recorded as paused (the job was paused for the fleet).",
+            ["job"],
+            registry=r,
+        )
         self.consecutive_skips = Gauge(
             "scheduler_job_consecutive_skips",
             "The job's fleet-wide streak of skipped ticks, as last seen by this replica.",
@@ -131,6 +137,9 @@ class Metrics(events.Observer):
 
     def tick_missed(self, event: events.TickMissed) -> None:
         self.missed.labels(job=event.job).inc()
+
+    def tick_paused(self, event: events.TickPaused) -> None:
+        self.paused.labels(job=event.job).inc()
 
     def lock_session_up(self, event: events.LockSessionUp) -> None:
         self.session_up.set(1)

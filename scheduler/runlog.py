@@ -1,5 +1,5 @@
 """The gate's outcomes as log lines: one when a run starts, one when it ends, one per
-skipped or missed tick, one when the lock session is up or lost.
+skipped, missed or paused tick, one when the lock session is up or lost.
 
 With `structured`, each line also carries the event's fields (for JSON logs);
 text logs say everything in the message and skip building them. While the
@@ -136,6 +136,16 @@ class _Lines(events.Observer):
         self.add(
             logging.WARNING,
             "tick missed: %s tick %s could not start within its misfire grace",
+            event.job,
+            event.scheduled_at.isoformat(),
+            extra=self.fields(event, "job", "key", "scheduled_at", "instance"),
+        )
+
+    def tick_paused(self, event: events.TickPaused) -> None:
+        """DEBUG: a paused job has one such line per tick; the pause itself is the news."""
+        self.add(
+            logging.DEBUG,
+            "tick paused: %s tick %s recorded paused (the job is paused for the fleet)",
             event.job,
             event.scheduled_at.isoformat(),
             extra=self.fields(event, "job", "key", "scheduled_at", "instance"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from scheduler import ledger
+from scheduler import ledger, pauses
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog
 from scheduler.statuses import FINISHED
@@ -28,6 +28,7 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         holders = backend.lock_holders(conn)
         running = {row.key: row for row in ledger.running(conn)}
         states = ledger.job_states(conn)
+        paused = pauses.paused_jobs(conn)
         jobs = []
         for job in catalog:
             state = states.get(job.key, {})
@@ -61,6 +62,7 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                     "consecutive_failures": int(state.get("consecutive_failures") or 0),
                     "fail_alert_after": job.fail_threshold,
                     "alerting": bool(state.get("skip_alerted") or state.get("fail_alerted")),
+                    "paused": paused[job.key].as_json() if job.key in paused else None,
                 }
             )
     return {

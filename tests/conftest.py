@@ -118,7 +118,7 @@ def database_url(run_database: str) -> Iterator[str]:
         conn.execute(
             "DROP TABLE IF EXISTS scheduler_ticks, scheduler_jobs, scheduler_maintenance,"
             " scheduler_schema, scheduler_counters, scheduler_notices,"
-            " scheduler_registrations CASCADE;"
+            " scheduler_registrations, scheduler_pauses CASCADE;"
             " DROP SEQUENCE IF EXISTS scheduler_run_id;"
             " DROP FUNCTION IF EXISTS scheduler_claim, scheduler_finish;"
             " DROP TABLE IF EXISTS test_runs"

@@ -33,6 +33,7 @@ class Outcome(StrEnum):
     YIELDED = "yielded"  # another live replica's share of the burst: try again shortly
     MISSED = "missed"  # this replica recorded the tick as missed
     HELD = "held"  # manual trigger only: the lock is held elsewhere
+    PAUSED = "paused"  # the job is paused for the fleet: this replica recorded the tick paused
 
 
 @dataclass(frozen=True)

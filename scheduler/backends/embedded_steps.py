@@ -8,7 +8,6 @@ PostgreSQL; read them side by side. The protocol is told in `scheduler.gate`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -54,9 +53,12 @@ class Steps:
 
     def choose(self, requests: Sequence[ClaimRequest], capacity: int) -> list[Tick]:
         out, room = [], capacity
+        paused = self._paused({r.key for r in requests if r.intent is not Intent.MANUAL})
         for r in sorted(requests, key=lambda r: (r.scheduled_at, r.key)):
             fate: Fate
-            if r.intent is Intent.SKIP:
+            if r.key in paused and r.intent is not Intent.MANUAL:
+                fate = Status.PAUSED
+            elif r.intent is Intent.SKIP:
                 fate = Status.SKIPPED
             elif r.intent is Intent.MANUAL:
                 fate = Status.RUNNING
@@ -295,6 +297,13 @@ class Steps:
         query = select(t.c.job_key).where(t.c.job_key == key, t.c.scheduled_at == tick)
         return self.conn.execute(query).first() is not None
 
+    def _paused(self, keys: set[int]) -> set[int]:
+        if not keys:
+            return set()
+        p = ledger.pauses
+        query = select(p.c.job_key).where(p.c.job_key.in_(sorted(keys)))
+        return {row.job_key for row in self.conn.execute(query)}
+
     def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any]:
         """Whose run holds the job now: its newest `running` row not in `exclude`."""
         t = ledger.ticks
@@ -334,16 +343,14 @@ class Steps:
 
     def _notice(self, event: str, r: ClaimRequest, **facts: Any) -> int:
         """Write a notice to the outbox, leased to this replica (see `scheduler.notices`)."""
-        statement = insert(ledger.notices).values(
-            event=event,
-            job_key=r.key,
-            job_name=r.name,
-            scheduled_at=r.scheduled_at,
-            facts=json.dumps(facts),
+        return ledger.add_notice(
+            self.conn,
+            event,
+            r.key,
+            r.name,
+            facts,
             raised_by=self.instance,
-            raised_at=self.now,
-            lease_by=self.instance,
-            lease_until=self.now + ledger.NOTICE_LEASE,
-            next_attempt_at=self.now,
+            now=self.now,
+            scheduled_at=r.scheduled_at,
+            deliverer=self.instance,
         )
-        return int(self.conn.execute(statement.returning(ledger.notices.c.id)).scalar_one())

@@ -53,7 +53,7 @@ CREATE TYPE scheduler_tick AS (
     tick         timestamptz,
     intent       text,
     threshold    integer,
-    fate         text,   -- running, skipped, missed, held (and, after the insert, lost)
+    fate         text,   -- running, skipped, missed, paused, held (after the insert: lost)
     run_id       bigint,
     started_at   timestamptz,
     holder       text,
@@ -71,7 +71,8 @@ CREATE FUNCTION scheduler_holder(
 $$;
 
 -- Step 1. Choose: what this claim tries to insert.
---   manual     -> running (its lock is taken first, below)
+--   manual     -> running (its lock is taken first, below; a person asked, paused or not)
+--   paused job -> paused (whatever the intent and however late: nobody is meant to run it)
 --   skip       -> skipped (this replica still runs the job; late or not, it is recorded)
 --   run, late  -> missed (past its grace by the database clock, the same for every replica)
 --   run        -> running, if it is this replica's share of a burst (or old enough to be
@@ -93,22 +94,25 @@ BEGIN
                -- A probe of the primary key per tick (never a join the planner could
                -- turn into a scan of the whole ledger).
                EXISTS (SELECT 1 FROM scheduler_ticks t
-                        WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken
+                        WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken,
+               q.intent <> 'manual'
+                   AND EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = q.key) AS paused
           FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
                AS q(key, name, tick, intent, grace, threshold)
     ), runs AS (
         SELECT q.key, q.tick FROM q
-         WHERE q.intent = 'run' AND NOT q.late AND q.mine AND NOT q.taken
+         WHERE q.intent = 'run' AND NOT q.paused AND NOT q.late AND q.mine AND NOT q.taken
          ORDER BY q.tick, q.key LIMIT p_capacity
     )
     SELECT q.key, q.name, q.tick, q.intent, q.threshold,
-           CASE WHEN q.intent = 'skip' THEN 'skipped'
+           CASE WHEN q.paused THEN 'paused'
+                WHEN q.intent = 'skip' THEN 'skipped'
                 WHEN q.intent = 'manual' THEN 'running'
                 WHEN q.late THEN 'missed'
                 ELSE 'running' END,
            NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz
       FROM q
-     WHERE q.intent IN ('skip', 'manual') OR (q.intent = 'run' AND q.late)
+     WHERE q.paused OR q.intent IN ('skip', 'manual') OR (q.intent = 'run' AND q.late)
         OR (q.key, q.tick) IN (SELECT runs.key, runs.tick FROM runs);
 END;
 $$;
@@ -300,8 +304,8 @@ $$;
 
 -- scheduler_claim: claim a batch of ticks, the steps above in order.
 --
--- Answers one row per tick this replica now owns (run, skipped, missed; manual: held or
--- lost), and one `fleet` row, the summary of the rest: ticks sent and not answered are
+-- Answers one row per tick this replica now owns (run, skipped, missed, paused; manual:
+-- held or lost), and one `fleet` row, the summary of the rest: ticks sent and not answered are
 -- lost (another replica owns them), yielded (another live replica's share of a burst, to
 -- try again once anyone may take it: `mine` in scheduler_choose), or deferred (this
 -- replica's, beyond its free workers: after (deferred_after, deferred_key) in the common
@@ -319,7 +323,10 @@ CREATE FUNCTION scheduler_claim(
     p_ticks      timestamptz[],
     p_intents    text[],
     p_graces     double precision[],
-    p_thresholds integer[]
+    p_thresholds integer[],
+    -- Callers of a version before pauses (a rolling upgrade) do not know the outcome
+    -- `paused`: their paused ticks are left out of the answer, which they read as lost.
+    p_answer_paused boolean DEFAULT false
 ) RETURNS TABLE (
     job_key        integer,
     scheduled_at   timestamptz,
@@ -401,7 +408,7 @@ BEGIN
       LEFT JOIN streaks sk ON sk.key = c.key AND sk.tick = c.tick
       LEFT JOIN streaks ended ON ended.key = c.key AND ended.tick IS NULL AND c.fate = 'running'
       LEFT JOIN stale st ON st.key = c.key AND c.fate = 'running'
-     WHERE c.fate <> 'lost' OR c.intent = 'manual'
+     WHERE (c.fate <> 'lost' OR c.intent = 'manual') AND (c.fate <> 'paused' OR p_answer_paused)
     UNION ALL
     SELECT NULL, NULL, 'fleet', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
            v_live, v_rank, now(), v_last.tick, v_last.key;

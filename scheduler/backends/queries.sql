@@ -6,7 +6,7 @@
 SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
     CAST(:keys AS integer[]), CAST(:names AS text[]), CAST(:ticks AS timestamptz[]),
     CAST(:intents AS text[]), CAST(:graces AS double precision[]),
-    CAST(:thresholds AS integer[]))
+    CAST(:thresholds AS integer[]), true)
 
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).

@@ -105,6 +105,11 @@ def _rebuild_sqlite_ticks(conn: Connection) -> None:
     conn.execute(ledger.RUNNING_INDEX)
 
 
+def _v4_pauses(conn: Connection) -> None:
+    """Fleet-wide pauses; the claim functions read them (re-created with this version)."""
+    ledger.pauses.create(conn, checkfirst=True)
+
+
 def _v2_lean_claims(conn: Connection) -> None:
     """v2 changed only the SQL functions (claims leave other replicas' ticks out)."""
 
@@ -115,6 +120,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _v1_tables),
     (2, _v2_lean_claims),
     (3, _v3_notices_and_told),
+    (4, _v4_pauses),
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 

@@ -2,8 +2,8 @@
 
 What comes back is acted on at once: runs start (before any bookkeeping,
 their lateness is what counts), ticks deferred for lack of workers or left
-to another replica's share go back to the queue, skips and missed ticks are
-reported. A claim that fails for another reason than a lost session may
+to another replica's share go back to the queue, skipped, missed and paused
+ticks are reported. A claim that fails for another reason than a lost session may
 leave locks it took (advisory locks outlive a rollback): they are released
 before the ticks go back to the queue.
 """
@@ -148,3 +148,5 @@ class Claims:
             )
         elif result.outcome is Outcome.MISSED:
             self.emit(events.TickMissed(job.name, job.key, result.scheduled_at, self.instance))
+        elif result.outcome is Outcome.PAUSED:
+            self.emit(events.TickPaused(job.name, job.key, result.scheduled_at, self.instance))

@@ -252,3 +252,26 @@ def test_the_ledger_keeps_the_runs_own_duration(gate_over_file):
     with backend.ledger_engine.connect() as conn:
         (row,) = ledger.history(conn, 91, 1)
     assert row.duration_s == round(finished.duration_s, 6)
+
+
+def test_a_paused_jobs_tick_is_reported_paused_and_a_manual_trigger_still_runs_it(
+    gate_over_file,
+):
+    from datetime import UTC, datetime
+
+    from scheduler import pauses
+
+    ran = []
+    job = make_job(95, ran.append, name="held_back")
+    gate, seen, _, backend = gate_over_file()
+    with backend.ledger_engine.begin() as conn:
+        pauses.pause(conn, 95, "held_back", by="ops", reason=None, now=datetime.now(UTC))
+    gate.submit(job, now_tick(-1))
+    settle(gate, lambda: seen.of(events.TickPaused), "the paused tick")
+    assert not ran and not seen.of(events.RunStarted) and not seen.of(events.TickSkipped)
+    gate.start()
+    try:
+        result = gate.trigger(job, timeout=20)
+    finally:
+        gate.stop(5)
+    assert result.outcome is Outcome.RUN and result.status == "succeeded" and len(ran) == 1
