@@ -275,3 +275,31 @@ def test_a_paused_jobs_tick_is_reported_paused_and_a_manual_trigger_still_runs_i
     finally:
         gate.stop(5)
     assert result.outcome is Outcome.RUN and result.status == "succeeded" and len(ran) == 1
+
+
+def test_a_row_whose_error_text_cannot_be_stored_is_recorded_with_a_placeholder(
+    gate_over_file,
+):
+    """The batch fails, the row alone fails again: its error is replaced, its status kept."""
+
+    def fails(ctx):
+        raise ValueError("text the ledger refuses")
+
+    jobs = [make_job(96, fails, name="poison"), make_job(97, lambda ctx: None, name="healthy")]
+    gate, seen, _, backend = gate_over_file()
+
+    def refused(requests) -> bool:
+        return any(r.error and "refuses" in r.error for r in requests)
+
+    backend.finish = Calls(backend.finish, fail_if=refused)
+    with gate.burst():
+        for job in jobs:
+            gate.submit(job, now_tick(-1))
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "both finishes")
+    assert all(e.recorded for e in seen.of(events.RunFinished))
+    from scheduler import ledger
+
+    with backend.ledger_engine.connect() as conn:
+        poison, healthy = ledger.latest(conn, 96), ledger.latest(conn, 97)
+    assert (poison.status, healthy.status) == ("failed", "succeeded")
+    assert poison.error.startswith("(the job's error text could not be stored: ")
