@@ -245,6 +245,8 @@ class Settings(BaseSettings):
     http_host: str = "0.0.0.0"
     http_port: Annotated[int, _whole(0, 65535)] | None = None
     log_format: Annotated[Literal["text", "json"], BeforeValidator(_lowercase)] = "text"
+    # signal: config.yaml is reloaded on SIGHUP; watch: also when the file changes.
+    reload: Annotated[Literal["signal", "watch"], BeforeValidator(_lowercase)] = "signal"
 
     @field_validator("timezone")
     @classmethod

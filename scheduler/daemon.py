@@ -4,7 +4,7 @@ APScheduler 3 computes the ticks (its executor receives the scheduled run
 times); our executor hands them to the gate instead of running them, so no
 tick ever runs without passing the gate. Signals: the first SIGTERM/SIGINT
 stops new runs, waits up to `shutdown_grace` and releases every lock; a
-second one exits at once.
+second one exits at once. SIGHUP reloads config.yaml (see `scheduler.reload`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from scheduler.housekeeping import Housekeeping, NameInUse
 from scheduler.logs import stop_logging
 from scheduler.notices import Notices
 from scheduler.pings import Pings
+from scheduler.reload import FileWatch, reread
 from scheduler.runlog import RunLog
 from scheduler.schedules import ticks_between
 
@@ -75,35 +76,82 @@ class GateScheduler(BackgroundScheduler):  # type: ignore[misc]
     rest, and every replica would pay a round trip per fragment.
     """
 
-    def __init__(self, gate: Gate, **options: Any) -> None:
+    def __init__(self, gate: Gate, groups: dict[str, list[CatalogJob]], **options: Any) -> None:
         super().__init__(**options)
         self._gate = gate
+        self.executor = GateExecutor(gate, groups)
+        self.add_executor(self.executor, "default")
 
     def _process_jobs(self) -> float | None:
         with self._gate.burst():
             return super()._process_jobs()  # type: ignore[no-any-return]
 
 
-def build_scheduler(catalog: Catalog, gate: Gate) -> BackgroundScheduler:
-    """One APScheduler job per distinct schedule (see `catalog.schedule_key`)."""
-    scheduler = GateScheduler(gate, timezone=UTC)
+def groups_of(catalog: Catalog) -> dict[str, list[CatalogJob]]:
+    """Scheduled jobs by distinct schedule (see `catalog.schedule_key`), named by their first."""
     by_schedule: dict[tuple[object, ...], list[CatalogJob]] = {}
     for job in catalog.scheduled:
         assert job.schedule_key is not None  # scheduled jobs have a schedule
         by_schedule.setdefault(job.schedule_key, []).append(job)
-    groups = {group[0].name: group for group in by_schedule.values()}
-    scheduler.add_executor(GateExecutor(gate, groups), "default")
+    return {group[0].name: group for group in by_schedule.values()}
+
+
+def build_scheduler(catalog: Catalog, gate: Gate) -> GateScheduler:
+    """One APScheduler job per distinct schedule."""
+    groups = groups_of(catalog)
+    scheduler = GateScheduler(gate, groups, timezone=UTC)
     for name, group in groups.items():
-        scheduler.add_job(
-            _noop,
-            trigger=group[0].trigger,
-            id=name,
-            name=name if len(group) == 1 else f"{name} and {len(group) - 1} more",
-            coalesce=True,
-            misfire_grace_time=None,  # the gate decides, by the database clock
-            max_instances=1,
-        )
+        _add_group(scheduler, name, group)
     return scheduler
+
+
+def _add_group(
+    scheduler: BackgroundScheduler,
+    name: str,
+    group: list[CatalogJob],
+    next_run_time: datetime | None = None,
+) -> None:
+    options: dict[str, Any] = {} if next_run_time is None else {"next_run_time": next_run_time}
+    scheduler.add_job(
+        _noop,
+        trigger=group[0].trigger,
+        id=name,
+        name=name if len(group) == 1 else f"{name} and {len(group) - 1} more",
+        coalesce=True,
+        misfire_grace_time=None,  # the gate decides, by the database clock
+        max_instances=1,
+        **options,
+    )
+
+
+def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> None:
+    """Replace the schedules between two ticks; a schedule that did not change keeps going.
+
+    A changed one starts at its first tick from `since` (taken before the
+    switch): no tick after it is lost, and one the old schedule fired too has
+    one row in the ledger (its primary key), so it runs once. Ticks already
+    handed to the gate run under the settings they were claimed with.
+    """
+    executor = scheduler.executor
+    old, new = executor.groups, groups_of(catalog)
+    kept = {
+        name
+        for name in old
+        if name in new and old[name][0].schedule_key == new[name][0].schedule_key
+    }
+    scheduler.pause()
+    try:
+        for name in old:
+            if name not in kept:
+                scheduler.remove_job(name)
+        executor.groups = new  # kept schedules too: their jobs' thresholds may have changed
+        for name, group in new.items():
+            if name not in kept:
+                assert group[0].trigger is not None
+                first = group[0].trigger.get_next_fire_time(None, since)
+                _add_group(scheduler, name, group, first)
+    finally:
+        scheduler.resume()
 
 
 def catch_up(catalog: Catalog, gate: Gate, now: datetime) -> None:
@@ -137,6 +185,7 @@ class Daemon:
         self.catalog = catalog
         self.backend = backend or open_backend(self.settings)
         self.stop_requested = threading.Event()
+        self.reload_requested = threading.Event()
         self.signals = 0
         # Metrics exist to be scraped: without an HTTP port, none are kept.
         self.metrics = None
@@ -275,9 +324,44 @@ class Daemon:
         gc.freeze()
         # A signal the kernel hands to another thread only trips a flag; Python runs
         # the handler when the main thread next wakes, so it wakes every second.
+        watch = FileWatch(self.config.path) if self.settings.reload == "watch" else None
         while not self.stop_requested.wait(1.0):
-            pass
+            changed = watch is not None and watch.changed()
+            if self.reload_requested.is_set() or changed:
+                self.reload_requested.clear()
+                self.reload("SIGHUP" if not changed else "config.yaml changed")
         return self.shutdown()
+
+    def reload(self, why: str) -> bool:
+        """Re-read config.yaml and apply it between ticks; an invalid file changes nothing."""
+        since = datetime.now(UTC)
+        try:
+            reloaded = reread(self.config, self.catalog)
+            self.housekeeping.reregister(reloaded.catalog)
+        except ConfigError as exc:
+            log.error(
+                "%s: config.yaml not reloaded: %s; the replica keeps its configuration", why, exc
+            )
+            return False
+        except SQLAlchemyError as exc:
+            log.error(
+                "%s: config.yaml not reloaded: the ledger: %s; try again", why, self._say(exc)
+            )
+            return False
+        changes = reloaded.changes(self.catalog)
+        reschedule(self.scheduler, reloaded.catalog, since)
+        self.config, self.catalog = reloaded.config, reloaded.catalog
+        log.info(
+            "%s: config.yaml reloaded: %s; job code is not reloaded (that needs a restart)",
+            why,
+            "; ".join(changes) if changes else "no job changed",
+        )
+        if reloaded.restart_needed:
+            log.warning(
+                "config.yaml: %s changed: applied at the next restart, not by a reload",
+                ", ".join(reloaded.restart_needed),
+            )
+        return True
 
     def shutdown(self) -> int:
         log.info(
@@ -324,6 +408,7 @@ class Daemon:
         handler: Callable[[int, FrameType | None], None] = self._on_signal
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload_requested.set())
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.signals += 1

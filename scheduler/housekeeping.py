@@ -85,17 +85,39 @@ class Housekeeping:
                     + (f" (up since {since})" if since else "")
                     + ": give each replica its own name (SCHEDULER_INSTANCE_NAME)"
                 )
-            self._refuse_clashes(ledger.registrations_of(conn), set(live))
-            entries = [(job.key, job.name, schedule_text(job)) for job in self.catalog]
-            ledger.register(conn, me, entries, set(live), now)
-            ledger.supersede(conn, {*live, me}, now)
+            self._register(conn, self.catalog, set(live), now)
         ledger.track_jobs(
             engine, [(job.key, job.name, job.describe()) for job in self.catalog], now
         )
 
-    def _refuse_clashes(self, found: list[ledger.Registration], live: set[str]) -> None:
+    def reregister(self, catalog: Catalog) -> None:
+        """After a reload: the jobs and schedules this replica runs from now on.
+
+        The clash check still applies (a reloaded file may name a key another
+        way); this replica's own name is, of course, live.
+        """
+        engine = self.backend.ledger_engine
+        with engine.begin() as conn:
+            now = self.backend.now(conn)
+            live = {i["name"] for i in self.backend.live_instances(conn)}
+            self._register(conn, catalog, live - {self.settings.instance_name}, now)
+        self.catalog = catalog
+        ledger.track_jobs(engine, [(job.key, job.name, job.describe()) for job in catalog], now)
+
+    def _register(
+        self, conn: Connection, catalog: Catalog, others: set[str], now: datetime
+    ) -> None:
+        me = self.settings.instance_name
+        self._refuse_clashes(catalog, ledger.registrations_of(conn), others)
+        entries = [(job.key, job.name, schedule_text(job)) for job in catalog]
+        ledger.register(conn, me, entries, others, now)
+        ledger.supersede(conn, {*others, me}, now)
+
+    def _refuse_clashes(
+        self, catalog: Catalog, found: list[ledger.Registration], live: set[str]
+    ) -> None:
         for r in found:
-            job = self.catalog.by_key(r.key)
+            job = catalog.by_key(r.key)
             if job is None or r.instance not in live or r.until is not None:
                 continue
             if r.name != job.name:

@@ -1,4 +1,4 @@
-"""Changing a running fleet: pause and resume (README: Pausing a job).
+"""Changing a running fleet: pause and resume, reload (README: Changing a running fleet).
 
 Real replicas: a pause stops the job on every replica within a tick, survives
 a restart of every replica, and each tick it covers is recorded `paused` once;
@@ -8,13 +8,14 @@ resuming lets the next tick run; the webhook hears of each change once.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.support import Fleet, Receiver, cli, parse_tick, wait_for
+from tests.support import Fleet, Receiver, cli, parse_tick, wait_for, whole_seconds
 
 pytestmark = pytest.mark.fleet
 
@@ -133,3 +134,96 @@ def test_embedded_mode_a_pause_holds_for_the_processes_of_a_host(tmp_path):
         _pause_restart_resume(fleet, None, ["r1", "r2"])
     finally:
         fleet.kill_all()
+
+
+def _edit(fleet: Fleet, old: str, new: str) -> None:
+    path = fleet.root / "config.yaml"
+    text = path.read_text()
+    assert old in text, text
+    path.write_text(text.replace(old, new))
+
+
+def _ticks(fleet: Fleet) -> list[datetime]:
+    return [parse_tick(e["tick"]) for e in fleet.starts()]
+
+
+def test_sighup_reloads_a_schedule_without_a_restart_exactly_once_across_the_fleet(
+    tmp_path, database_url
+):
+    fleet = Fleet(tmp_path, database_url, {"steady": {"interval": "2s"}}, job_files=JOBS)
+    names = ["r1", "r2"]
+    for name in names:
+        fleet.start(name)
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: len(fleet.ends()) >= 3, 60, "runs on the 2 s grid")
+        assert {t.second % 2 for t in _ticks(fleet)} == {0}
+
+        _edit(fleet, "interval: 2s", "interval: 1s")
+        for name in names:
+            fleet.replicas[name].signal(signal.SIGHUP)
+        wait_for(
+            lambda: all("config.yaml reloaded" in fleet.replicas[n].log() for n in names),
+            30,
+            "both replicas to reload",
+        )
+        reloaded_at = datetime.now(UTC)
+        wait_for(
+            lambda: sum(t > reloaded_at and t.second % 2 for t in _ticks(fleet)) >= 3,
+            60,
+            "runs on the odd seconds of the new 1 s grid",
+        )
+
+        _edit(fleet, "interval: 1s", "interval: every now and then")
+        fleet.replicas["r1"].signal(signal.SIGHUP)
+        wait_for(lambda: "config.yaml not reloaded" in fleet.replicas["r1"].log(), 30, "the error")
+        refused_at = datetime.now(UTC)
+        wait_for(
+            lambda: sum(t > refused_at for t in _ticks(fleet)) >= 4,
+            60,
+            "the 1 s grid to go on after the invalid edit",
+        )
+        assert all(r.process.poll() is None for r in fleet.replicas.values()), fleet.logs()
+        end = datetime.now(UTC)
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+    assert set(codes.values()) == {0}, fleet.logs()
+    error = next(
+        line
+        for line in fleet.replicas["r1"].log().splitlines()
+        if "config.yaml not reloaded" in line
+    )
+    assert "jobs.steady.interval" in error and "keeps its configuration" in error
+    ticks = _ticks(fleet)
+    assert len(ticks) == len(set(ticks)), "a tick ran twice"
+    assert not [e for e in fleet.ends() if e.get("overlap")]
+    # Inside the window, every second of the new grid ran, once.
+    window = whole_seconds(reloaded_at + timedelta(seconds=2), end - timedelta(seconds=2))
+    ran = {r["scheduled_at"] for r in fleet.ledger("steady") if r["status"] == "succeeded"}
+    assert [t for t in window if t not in ran] == [], fleet.logs()
+
+
+def test_reload_watch_applies_an_edit_without_a_signal(tmp_path):
+    settings = {"reload": "watch"}
+    fleet = Fleet(tmp_path, None, {"steady": {"interval": "2s"}}, settings=settings, job_files=JOBS)
+    fleet.start("r1")
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: len(fleet.ends()) >= 2, 60, "runs on the 2 s grid")
+        _edit(fleet, "interval: 2s", "interval: 1s")
+        wait_for(
+            lambda: "config.yaml changed: config.yaml reloaded" in fleet.replicas["r1"].log(),
+            30,
+            "the reload",
+        )
+        changed_at = datetime.now(UTC)
+        wait_for(
+            lambda: sum(t > changed_at and t.second % 2 for t in _ticks(fleet)) >= 2,
+            60,
+            "runs on the odd seconds of the new grid",
+        )
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+    assert codes == {"r1": 0}, fleet.logs()
