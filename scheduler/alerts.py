@@ -16,6 +16,9 @@ Events (the `event` field of the webhook body):
 - ``job.failures_recovered``: the job succeeded again after such a streak.
 - ``job.paused`` / ``job.resumed``: someone paused the job for the whole fleet
   (`scheduler pause`), or resumed it.
+- ``job.schedule_drift``: the live replicas have run different schedules for
+  the job for longer than `schedule_drift_grace` (see `scheduler.agreement`).
+- ``job.schedule_agreed``: they run one schedule again.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ FAILURES_EXCEEDED = "job.failures_exceeded"
 FAILURES_RECOVERED = "job.failures_recovered"
 JOB_PAUSED = "job.paused"
 JOB_RESUMED = "job.resumed"
+SCHEDULE_DRIFT = "job.schedule_drift"
+SCHEDULE_AGREED = "job.schedule_agreed"
 
 LEVELS = {
     SKIPS_EXCEEDED: logging.ERROR,
     FAILURES_EXCEEDED: logging.ERROR,
+    SCHEDULE_DRIFT: logging.ERROR,
     RECOVERED: logging.WARNING,
     FAILURES_RECOVERED: logging.WARNING,
 }
@@ -112,6 +118,18 @@ class Notice:
             return (
                 f"{self.job}: resumed by {f.get('by')} (paused by {f.get('paused_by')} "
                 f"since {f.get('paused_at')})"
+            )
+        if self.event in (SCHEDULE_DRIFT, SCHEDULE_AGREED):
+            said = "; ".join(
+                f"{v.get('schedule')} on {', '.join(v.get('instances') or [])}"
+                for v in f.get("schedules") or []
+                if isinstance(v, dict)
+            )
+            if self.event == SCHEDULE_AGREED:
+                return f"{self.job}: the live replicas run one schedule again: {said}"
+            return (
+                f"{self.job}: the live replicas have run different schedules since "
+                f"{f.get('since')}: {said}; every tick some live replica's schedule has runs once"
             )
         return f"{self.job}: {self.event}"
 

@@ -177,7 +177,30 @@ def _check(config: Config, catalog: Catalog) -> int:
         mark = "ok" if check.ok else ("FAIL" if check.fatal else "warn")
         print(f"{check.name:<16} {mark:<4} {check.detail}")
         fatal |= check.fatal and not check.ok
+    if not fatal:
+        _check_schedules(config, catalog)
     return EXIT_USAGE if fatal else EXIT_OK
+
+
+def _check_schedules(config: Config, catalog: Catalog) -> None:
+    """Whether the live replicas run what this config.yaml says (a warning, never a failure)."""
+    from sqlalchemy import inspect
+
+    from scheduler.backends import open_backend
+    from scheduler.status import schedule_checks
+
+    backend = open_backend(config.settings)
+    try:
+        with backend.ledger_engine.connect() as conn:
+            if not inspect(conn).has_table("scheduler_registrations"):
+                print(f"{'schedules':<16} {'--':<4} no ledger yet: no replica has started")
+                return
+        for agrees, detail in schedule_checks(backend, catalog):
+            print(f"{'schedules':<16} {'ok' if agrees else 'warn':<4} {printable(detail)}")
+    except Exception as exc:
+        print(f"{'schedules':<16} {'warn':<4} cannot compare: {one_line(exc)}")
+    finally:
+        backend.ledger_engine.dispose()
 
 
 def _jobs(
@@ -289,11 +312,13 @@ def _status(config: Config, catalog: Catalog, *, as_json: bool) -> int:
                 "skips": f"{job['consecutive_skips']}/{job['skip_alert_after']}",
                 "alerting": "yes" if job["alerting"] else "",
                 "paused": _paused_cell(job["paused"]),
+                "schedules": _schedules_cell(job["schedules"]),
                 "next_tick": job["next_tick"],
             }
         )
     print()
-    _table(rows, ["job", "key", "running", "last", "skips", "alerting", "paused", "next_tick"])
+    columns = ["job", "key", "running", "last", "skips", "alerting", "paused", "schedules"]
+    _table(rows, [*columns, "next_tick"])
     return EXIT_OK
 
 
@@ -302,6 +327,13 @@ def _paused_cell(paused: dict[str, Any] | None) -> str:
         return ""
     why = f": {paused['reason']}" if paused["reason"] else ""
     return f"by {paused['by']} since {paused['at']}{why}"
+
+
+def _schedules_cell(found: list[dict[str, Any]]) -> str:
+    """Empty when the live replicas agree; else each schedule and who runs it."""
+    if len(found) <= 1:
+        return ""
+    return "DIFFER: " + "; ".join(f"{v['schedule']} on {', '.join(v['instances'])}" for v in found)
 
 
 def _history(

@@ -245,6 +245,9 @@ class Settings(BaseSettings):
     http_host: str = "0.0.0.0"
     http_port: Annotated[int, _whole(0, 65535)] | None = None
     log_format: Annotated[Literal["text", "json"], BeforeValidator(_lowercase)] = "text"
+    schedule_drift_grace: Annotated[
+        float, _ranged(0, 86400, "must be a number of seconds between 0 and 86400")
+    ] = 600.0
     # signal: config.yaml is reloaded on SIGHUP; watch: also when the file changes.
     reload: Annotated[Literal["signal", "watch"], BeforeValidator(_lowercase)] = "signal"
 

@@ -221,6 +221,7 @@ class Daemon:
             catalog,
             self.settings,
             on_streaks=self.metrics.streaks if self.metrics else None,
+            on_drift=self.metrics.drift if self.metrics else None,
             notices=self.notices,
         )
         self.scheduler = build_scheduler(catalog, self.gate)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from apscheduler.triggers.base import BaseTrigger
 from sqlalchemy import Connection
 
-from scheduler import ledger
+from scheduler import agreement, ledger
 from scheduler.catalog import Catalog, CatalogJob, schedule_text, trigger_of
 from scheduler.config import Settings
 from scheduler.errors import ConfigError, one_line
@@ -56,12 +56,14 @@ class Housekeeping:
         catalog: Catalog,
         settings: Settings,
         on_streaks: Callable[[dict[str, int]], None] | None = None,
+        on_drift: Callable[[dict[str, bool]], None] | None = None,
         notices: Notices | None = None,
     ) -> None:
         self.backend = backend
         self.catalog = catalog
         self.settings = settings
         self.on_streaks = on_streaks
+        self.on_drift = on_drift
         self.notices = notices
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,7 +140,9 @@ class Housekeeping:
             self._thread.join(timeout=5)
 
     def _loop(self) -> None:
-        while not self._stop.wait(SWEEP_EVERY):
+        wait = 1.0  # the first pass soon after start: this replica's schedules in force
+        while not self._stop.wait(wait):
+            wait = SWEEP_EVERY
             try:
                 self.run_once()
             except Exception as exc:
@@ -159,11 +163,19 @@ class Housekeeping:
             states = ledger.job_states(conn)
             if self.notices is not None:
                 done["notices"] = self.notices.adopt(conn, now)
+            raised: list[int] = []
             if sweep is not None:
                 done["crashed"] = self.sweep_crashed(conn, sweep[1])
+            # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
+            ledger.reassert(conn, self.settings.instance_name)
+            if sweep is not None:
                 live = {i["name"] for i in self.backend.live_instances(conn)}
                 ledger.supersede(conn, live, sweep[1])
                 registered = ledger.registrations_of(conn)
+                raised = self.sweep_drift(conn, states, registered, live, sweep[1])
+                done["drift"] = len(raised)
+        if raised and self.notices is not None:  # committed: deliver them now
+            self.notices.schedule(raised)
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart.
         if sweep is not None:
@@ -174,6 +186,15 @@ class Housekeeping:
             self.on_streaks(
                 {
                     names[key]: int(state["consecutive_skips"])  # type: ignore[call-overload]
+                    for key, state in states.items()
+                    if key in names
+                }
+            )
+        if self.on_drift:
+            names = {job.key: job.name for job in self.catalog}
+            self.on_drift(
+                {
+                    names[key]: state.get("drift_since") is not None
                     for key, state in states.items()
                     if key in names
                 }
@@ -190,6 +211,44 @@ class Housekeeping:
                 if not removed:
                     break
         return done
+
+    def sweep_drift(
+        self,
+        conn: Connection,
+        states: dict[int, dict[str, object]],
+        registered: list[ledger.Registration],
+        live: set[str],
+        now: datetime,
+    ) -> list[int]:
+        """Jobs whose live replicas disagree on the schedule: one notice when it has lasted
+        `schedule_drift_grace`, one when it ends (scheduler.agreement). Job rows in key order.
+        """
+        grace = timedelta(seconds=self.settings.schedule_drift_grace)
+        variants = agreement.live_schedules(registered, live)
+        raised = []
+        for key, state in sorted(states.items()):
+            since = state.get("drift_since")
+            before = agreement.Drift(
+                since if isinstance(since, datetime) else None, bool(state.get("drift_alerted"))
+            )
+            found = variants.get(key, [])
+            after, event = agreement.step(before, len(found) > 1, now, grace)
+            if after != before:
+                ledger.set_drift(conn, key, after.since, after.alerted)
+            if event is not None:
+                facts = {
+                    "schedules": [v.as_json() for v in found],
+                    "since": ledger.iso(before.since or now),
+                    "grace_s": grace.total_seconds(),
+                }
+                me = self.settings.instance_name
+                name = str(state["job_name"])
+                raised.append(
+                    ledger.add_notice(
+                        conn, event, key, name, facts, raised_by=me, now=now, deliverer=me
+                    )
+                )
+        return raised
 
     def sweep_crashed(self, conn: Connection, now: datetime) -> int:
         """Running rows whose job lock nobody holds: their replica is gone."""

@@ -116,6 +116,9 @@ jobs = Table(
     Column("tracked_since", UTCDateTime(), nullable=False),
     # Skipped ticks since the job last kept up (a run that ended before its next tick).
     Column("overrun_skips", Integer, nullable=False, server_default="0"),
+    # Since when its live replicas run different schedules (see scheduler.agreement).
+    Column("drift_since", UTCDateTime()),
+    Column("drift_alerted", Boolean, nullable=False, server_default=false()),
 )
 
 # What each replica runs: every job it registered, under which name and schedule, since
@@ -418,6 +421,12 @@ def record_missed(
     return sum(1 for row in conn.execute(statement, rows) if row.status == Status.MISSED)
 
 
+def set_drift(conn: Connection, key: int, since: datetime | None, alerted: bool) -> None:
+    conn.execute(
+        update(jobs).where(jobs.c.job_key == key).values(drift_since=since, drift_alerted=alerted)
+    )
+
+
 def paused_since(conn: Connection) -> dict[int, datetime]:
     """The jobs paused now, and since when (see `scheduler.pauses`)."""
     return {
@@ -635,6 +644,17 @@ def supersede(conn: Connection, live: set[str], now: datetime) -> int:
             )
             ended += 1
     return ended
+
+
+def reassert(conn: Connection, instance: str) -> int:
+    """A live replica's schedules are in force, whatever another replica concluded while
+    this one was starting (registered, not yet live) or reconnecting: see `supersede`."""
+    statement = (
+        update(registrations)
+        .where(registrations.c.instance == instance, registrations.c.until.is_not(None))
+        .values(until=None)
+    )
+    return conn.execute(statement).rowcount or 0
 
 
 def prune_registrations(conn: Connection, older_than: datetime) -> int:

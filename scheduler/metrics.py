@@ -49,6 +49,12 @@ class Metrics(events.Observer):
             ["job"],
             registry=r,
         )
+        self.schedule_drift = Gauge(
+            "scheduler_job_schedule_drift",
+            "1 while the job's live replicas run different schedules (refreshed every 30 s).",
+            ["job"],
+            registry=r,
+        )
         self.paused = Counter(
             "scheduler_job_paused_ticks",
             "Ticks this replica recorded as paused (the job was paused for the fleet).",
@@ -160,6 +166,11 @@ class Metrics(events.Observer):
         """The fleet's streaks as read from the ledger (housekeeping refreshes them)."""
         for job, count in skips.items():
             self.consecutive_skips.labels(job=job).set(count)
+
+    def drift(self, drifting: dict[str, bool]) -> None:
+        """Whether each job's live replicas disagree, as the ledger says (housekeeping)."""
+        for job, differ in drifting.items():
+            self.schedule_drift.labels(job=job).set(1 if differ else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

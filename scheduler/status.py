@@ -9,15 +9,37 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from scheduler import ledger, pauses
+from scheduler import agreement, ledger, pauses
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog
+from scheduler.catalog import Catalog, schedule_text
 from scheduler.statuses import FINISHED
 
 
 def history(backend: Backend, key: int | None, limit: int) -> list[dict[str, Any]]:
     with backend.ledger_engine.connect() as conn:
         return [row.as_json() for row in ledger.history(conn, key, limit)]
+
+
+def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]]:
+    """For `scheduler check`: (agrees, what) per job the live replicas run otherwise than
+    this config.yaml says, or than one another; one (True, ...) line when all agree."""
+    with backend.ledger_engine.connect() as conn:
+        live = {i["name"] for i in backend.live_instances(conn)}
+        variants = agreement.live_schedules(ledger.registrations_of(conn), live)
+    out = []
+    for job in catalog:
+        found = variants.get(job.key, [])
+        mine = schedule_text(job)
+        if not found or (len(found) == 1 and found[0].schedule == mine):
+            continue
+        running = "; ".join(
+            f"{agreement.words(v.schedule)} on {', '.join(v.instances)}" for v in found
+        )
+        here = agreement.words(mine)
+        out.append((False, f"{job.name}: live replicas run {running}; this config.yaml: {here}"))
+    if not out:
+        out.append((True, f"the {len(live)} live replica(s) run the schedules of this config.yaml"))
+    return out
 
 
 def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str, Any]:
@@ -29,6 +51,8 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         running = {row.key: row for row in ledger.running(conn)}
         states = ledger.job_states(conn)
         paused = pauses.paused_jobs(conn)
+        live = {i["name"] for i in instances}
+        variants = agreement.live_schedules(ledger.registrations_of(conn), live)
         jobs = []
         for job in catalog:
             state = states.get(job.key, {})
@@ -63,6 +87,9 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                     "fail_alert_after": job.fail_threshold,
                     "alerting": bool(state.get("skip_alerted") or state.get("fail_alerted")),
                     "paused": paused[job.key].as_json() if job.key in paused else None,
+                    # What the live replicas run, and who runs it: one entry when they agree.
+                    "schedules": [v.as_json() for v in variants.get(job.key, [])],
+                    "schedules_agree": len(variants.get(job.key, [])) <= 1,
                 }
             )
     return {

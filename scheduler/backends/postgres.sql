@@ -11,8 +11,9 @@
 -- another in a cycle:
 --   1. new rows of scheduler_ticks (INSERT), in (scheduled_at, job_key) order;
 --   2. existing rows of scheduler_ticks (UPDATE), in (scheduled_at, job_key) order;
---   3. rows of scheduler_jobs, in job_key order;
---   4. scheduler_notices: only inserted here (delivery updates nothing else).
+--   3. rows of scheduler_registrations (start-up, reload and housekeeping only);
+--   4. rows of scheduler_jobs, in job_key order;
+--   5. scheduler_notices: only inserted here (delivery updates nothing else).
 -- A transaction never takes a lock of an earlier class after one of a later class; the
 -- housekeeping sweep marks crashed runs (2) and records missed ticks (1) in separate
 -- transactions, and start-up updates each changed job row (3) in a transaction of its own.

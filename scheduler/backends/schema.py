@@ -110,6 +110,16 @@ def _v4_pauses(conn: Connection) -> None:
     ledger.pauses.create(conn, checkfirst=True)
 
 
+def _v5_drift(conn: Connection) -> None:
+    """Whether a job's live replicas disagree on its schedule, and since when."""
+    timestamp = "TIMESTAMP WITH TIME ZONE" if conn.dialect.name == "postgresql" else "DATETIME"
+    columns = (("drift_since", timestamp), ("drift_alerted", "BOOLEAN NOT NULL DEFAULT FALSE"))
+    found = {c["name"] for c in inspect(conn).get_columns("scheduler_jobs")}
+    for column, kind in columns:
+        if column not in found:
+            conn.exec_driver_sql(f"ALTER TABLE scheduler_jobs ADD COLUMN {column} {kind}")
+
+
 def _v2_lean_claims(conn: Connection) -> None:
     """v2 changed only the SQL functions (claims leave other replicas' ticks out)."""
 
@@ -121,6 +131,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (2, _v2_lean_claims),
     (3, _v3_notices_and_told),
     (4, _v4_pauses),
+    (5, _v5_drift),
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 

@@ -227,3 +227,67 @@ def test_reload_watch_applies_an_edit_without_a_signal(tmp_path):
     finally:
         fleet.kill_all()
     assert codes == {"r1": 0}, fleet.logs()
+
+
+def test_replicas_that_run_different_schedules_are_shown_told_and_run_each_tick_once(
+    tmp_path, database_url
+):
+    """A rolling deploy: r1 still runs every 2 s, r2 already every 1 s."""
+    receiver = Receiver()
+    settings = {"schedule_drift_grace": 3, "alert_webhook_url": receiver.url("/hook")}
+    old = Fleet(
+        tmp_path / "old",
+        database_url,
+        {"steady": {"interval": "2s"}},
+        settings=settings,
+        job_files=JOBS,
+    )
+    new = Fleet(
+        tmp_path / "new",
+        database_url,
+        {"steady": {"interval": "1s"}},
+        settings=settings,
+        job_files=JOBS,
+    )
+    old.start("r1")
+    new.start("r2")
+    try:
+        old.wait_ready()
+        new.wait_ready()
+        start = datetime.now(UTC)
+
+        def shown() -> list[dict]:
+            (job,) = json.loads(cli(old, "status", "--json").stdout)["jobs"]
+            return job["schedules"] if not job["schedules_agree"] else []
+
+        wait_for(lambda: len(shown()) == 2, 30, "status to show both schedules")
+        assert shown() == [
+            {"schedule": "every 2s", "instances": ["r1"]},
+            {"schedule": "every 1s", "instances": ["r2"]},
+        ]
+        check = cli(old, "check")
+        (line,) = [s for s in check.stdout.splitlines() if s.startswith("schedules ")]
+        assert line.split()[1] == "warn" and "every 2s on r1; every 1s on r2" in line
+        wait_for(lambda: receiver.bodies("job.schedule_drift"), 120, "the drift notice")
+
+        _edit(old, "interval: 2s", "interval: 1s")
+        old.replicas["r1"].signal(signal.SIGHUP)
+        wait_for(lambda: "config.yaml reloaded" in old.replicas["r1"].log(), 30, "the reload")
+        wait_for(lambda: receiver.bodies("job.schedule_agreed"), 120, "the agreement notice")
+        end = datetime.now(UTC)
+        codes = {**old.stop(), **new.stop()}
+    finally:
+        old.kill_all()
+        new.kill_all()
+        receiver.close()
+    assert codes == {"r1": 0, "r2": 0}, old.logs() + new.logs()
+    (drift,) = receiver.bodies("job.schedule_drift")
+    (agreed,) = receiver.bodies("job.schedule_agreed")
+    assert [v["instances"] for v in drift["schedules"]] == [["r1"], ["r2"]]
+    assert agreed["schedules"] == [{"schedule": "every 1s", "instances": ["r1", "r2"]}]
+    ticks = _ticks(old) + _ticks(new)
+    assert len(ticks) == len(set(ticks)), "a tick ran twice"
+    # Every second is a tick of r2's schedule (and every other one of r1's): each ran once.
+    rows = {r["scheduled_at"]: r["status"] for r in old.ledger("steady")}
+    window = whole_seconds(start + timedelta(seconds=2), end - timedelta(seconds=2))
+    assert [t for t in window if rows.get(t) != "succeeded"] == [], rows
