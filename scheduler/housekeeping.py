@@ -177,10 +177,13 @@ class Housekeeping:
         if raised and self.notices is not None:  # committed: deliver them now
             self.notices.schedule(raised)
         # Missed ticks are new rows, and new rows come before updates in the one order
-        # every transaction takes its row locks in (postgres.sql): a transaction apart.
+        # every transaction takes its row locks in (postgres.sql): a transaction apart,
+        # which moves its own watermark, so a sweep cut short here loses no window.
         if sweep is not None:
             with engine.begin() as conn:
-                done["missed"] = self.sweep_missed(conn, states, *sweep, registered)
+                since = ledger.missed_watermark(conn)
+                done["missed"] = self.sweep_missed(conn, states, since, sweep[1], registered)
+                ledger.set_missed_watermark(conn, max(since, sweep[1]))
         if self.on_streaks:
             names = {job.key: job.name for job in self.catalog}
             self.on_streaks(

@@ -364,7 +364,8 @@ def mark_crashed(conn: Connection, key: int, run_id: int, error: str, now: datet
     return result.rowcount == 1
 
 
-MAINTENANCE_TASKS = ("sweep", "prune")
+# "missed" is not elected: its last_run_at is how far missed ticks have been recorded.
+MAINTENANCE_TASKS = ("sweep", "prune", "missed")
 
 
 def elect(conn: Connection, task: str, now: Any, every: float) -> tuple[datetime, datetime] | None:
@@ -387,6 +388,19 @@ def elect(conn: Connection, task: str, now: Any, every: float) -> tuple[datetime
         .returning(maintenance.c.last_run_at)
     ).first()
     return (previous, row[0]) if row else None
+
+
+def missed_watermark(conn: Connection) -> datetime:
+    """How far the sweep has recorded missed ticks; the row stays locked until the commit,
+    which also moves it (`set_missed_watermark`): a sweep cut short moves nothing."""
+    query = select(maintenance.c.last_run_at).where(maintenance.c.task == "missed")
+    return conn.execute(query.with_for_update()).scalar_one()  # type: ignore[no-any-return]
+
+
+def set_missed_watermark(conn: Connection, until: datetime) -> None:
+    conn.execute(
+        update(maintenance).where(maintenance.c.task == "missed").values(last_run_at=until)
+    )
 
 
 def record_missed(

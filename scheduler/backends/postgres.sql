@@ -8,7 +8,7 @@
 --
 -- Row locks, one global order. Every transaction that writes these tables takes its row
 -- locks in this order, so claims, finishes, sweeps and start-ups never wait for one
--- another in a cycle:
+-- another in a cycle (housekeeping takes rows of scheduler_maintenance before any):
 --   1. new rows of scheduler_ticks (INSERT), in (scheduled_at, job_key) order;
 --   2. existing rows of scheduler_ticks (UPDATE), in (scheduled_at, job_key) order;
 --   3. rows of scheduler_registrations (start-up, reload and housekeeping only);

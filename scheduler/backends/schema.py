@@ -111,7 +111,16 @@ def _v4_pauses(conn: Connection) -> None:
 
 
 def _v5_drift(conn: Connection) -> None:
-    """Whether a job's live replicas disagree on its schedule, and since when."""
+    """Whether a job's live replicas disagree on its schedule, and since when; how far
+    missed ticks are recorded (from where the sweep was, on a ledger that has run)."""
+    known = conn.execute(
+        select(ledger.maintenance.c.last_run_at).where(ledger.maintenance.c.task == "sweep")
+    ).scalar()
+    if not conn.execute(
+        select(ledger.maintenance.c.task).where(ledger.maintenance.c.task == "missed")
+    ).first():
+        epoch = datetime(1970, 1, 1, tzinfo=UTC)
+        conn.execute(insert(ledger.maintenance).values(task="missed", last_run_at=known or epoch))
     timestamp = "TIMESTAMP WITH TIME ZONE" if conn.dialect.name == "postgresql" else "DATETIME"
     columns = (("drift_since", timestamp), ("drift_alerted", "BOOLEAN NOT NULL DEFAULT FALSE"))
     found = {c["name"] for c in inspect(conn).get_columns("scheduler_jobs")}

@@ -278,3 +278,44 @@ def test_a_replica_takes_over_the_registrations_of_gone_replicas_with_its_schedu
             )
         rows = ledger.registrations_of(conn, [661])
     assert [(r.instance, r.since) for r in rows] == [("r4", first)]
+
+
+def test_a_sweep_cut_short_after_its_election_loses_no_missed_tick(backend_factory):
+    """The replica that won the sweep dies (or loses its session) before recording the
+    missed ticks: the next sweep, whoever runs it, records them."""
+    from sqlalchemy import update
+
+    job = make_job(641, lambda ctx: None, name="unlucky")
+    backend = backend_factory("h")
+    keeper = Housekeeping(backend, Catalog((job,)), settings())
+    now = datetime.now(UTC).replace(microsecond=0)
+    ledger.track_jobs(
+        backend.ledger_engine, [(641, "unlucky", "every 1s")], now - timedelta(minutes=2)
+    )
+    with backend.ledger_engine.begin() as conn:  # the last sweeps were two minutes ago
+        conn.execute(
+            update(ledger.maintenance)
+            .where(ledger.maintenance.c.task.in_(["sweep", "missed"]))
+            .values(last_run_at=now - timedelta(minutes=2))
+        )
+    recorded = keeper.sweep_missed
+
+    def cut_short(*args, **kwargs):
+        raise ConnectionError("server closed the connection unexpectedly")
+
+    keeper.sweep_missed = cut_short  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        keeper.run_once()
+    keeper.sweep_missed = recorded  # type: ignore[method-assign]
+    with backend.ledger_engine.begin() as conn:  # the next sweep is due
+        conn.execute(
+            update(ledger.maintenance)
+            .where(ledger.maintenance.c.task == "sweep")
+            .values(last_run_at=now - timedelta(minutes=1))
+        )
+    done = keeper.run_once()
+    with backend.ledger_engine.connect() as conn:
+        missed = [r.scheduled_at for r in ledger.history(conn, 641, 1000) if r.status == "missed"]
+    assert done["missed"] == len(missed)
+    # From the last sweep before the failure (two minutes ago, less the grace and margin).
+    assert min(missed) <= now - timedelta(minutes=2) + timedelta(seconds=1)
