@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, tzinfo
 from typing import Any
 
 from scheduler import __version__
@@ -20,8 +20,10 @@ from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.config import Config, load_config
 from scheduler.errors import ConfigError, one_line, shorten
+from scheduler.ledger import TickFilter
 from scheduler.schedules import zone
 from scheduler.statuses import Status
+from scheduler.tables import duration, instant, table
 from scheduler.text import printable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD = 0, 1, 2, 3
@@ -60,10 +62,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     jobs.add_argument("--json", action="store_true")
     status = commands.add_parser("status", parents=[common], help="the fleet now")
+    status.add_argument(
+        "--tz", metavar="ZONE", default="UTC", help="show times in this zone (default UTC)"
+    )
     status.add_argument("--json", action="store_true")
     history = commands.add_parser("history", parents=[common], help="recent ticks")
     history.add_argument("job", nargs="?", help="only this job")
-    history.add_argument("--limit", type=_positive, default=50, help="how many ticks (50)")
+    history.add_argument(
+        "--limit",
+        type=_positive,
+        help="how many ticks, newest first (default 50; with --since or --until, all)",
+    )
+    history.add_argument(
+        "--since", metavar="AGE|ISO-8601", help="ticks scheduled since: 12h, 30m, 2d or an instant"
+    )
+    history.add_argument("--until", metavar="ISO-8601", help="ticks scheduled until an instant")
+    history.add_argument(
+        "--status", metavar="S[,S...]", help="only these statuses, e.g. failed,crashed"
+    )
+    history.add_argument("--instance", metavar="NAME", help="only ticks this replica recorded")
+    history.add_argument(
+        "--tz", metavar="ZONE", default="UTC", help="show times in this zone (default UTC)"
+    )
     history.add_argument("--json", action="store_true")
     trigger = commands.add_parser(
         "trigger", parents=[common], help="run one tick of a job now, through the gate"
@@ -125,9 +145,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "jobs":
         return _jobs(config, catalog, args.job, args.next, args.after, as_json=args.json)
     if args.command == "status":
-        return _status(config, catalog, as_json=args.json)
+        return _status(config, catalog, _zone_flag(args.tz), as_json=args.json)
     if args.command == "history":
-        return _history(config, catalog, args.job, args.limit, as_json=args.json)
+        return _history(config, catalog, _history_filter(args, catalog), args.tz, args.json)
     if args.command == "trigger":
         return _trigger(config, catalog, args.job)
     if args.command == "pause":
@@ -192,7 +212,7 @@ def _check_schedules(config: Config, catalog: Catalog) -> None:
     backend = open_backend(config.settings)
     try:
         with backend.ledger_engine.connect() as conn:
-            if not inspect(conn).has_table("scheduler_registrations"):
+            if not inspect(conn).hastable("scheduler_registrations"):
                 print(f"{'schedules':<16} {'--':<4} no ledger yet: no replica has started")
                 return
         for agrees, detail in schedule_checks(backend, catalog):
@@ -221,7 +241,7 @@ def _jobs(
         if as_json:
             print(json.dumps(rows, indent=2))
         else:
-            _table(rows, ["name", "key", "schedule", "timezone", "next_tick", "source"])
+            table(rows, ["name", "key", "schedule", "timezone", "next_tick", "source"])
         return EXIT_OK
     previews = [(job, job.next_ticks(now, n)) for job in jobs]
     if as_json:
@@ -288,7 +308,7 @@ def _ledger_backend(config: Config) -> Backend:
     return backend
 
 
-def _status(config: Config, catalog: Catalog, *, as_json: bool) -> int:
+def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> int:
     from scheduler.status import fleet_status
 
     document = fleet_status(_ledger_backend(config), catalog, datetime.now(UTC))
@@ -298,35 +318,39 @@ def _status(config: Config, catalog: Catalog, *, as_json: bool) -> int:
     instances = document["instances"]
     print(f"backend: {document['backend']}; {len(instances)} live instance(s)")
     for instance in instances:
-        since = f" since {instance['since']}" if instance["since"] else ""
+        since = f" since {instant(instance['since'], tz)}" if instance["since"] else ""
         print(f"  {instance['name']}{since} ({instance['address'] or 'local'})")
     rows = []
     for job in document["jobs"]:
-        run, last = job["running"], job["last_run"]
+        run, last, paused = job["running"], job["last_run"], job["paused"]
         rows.append(
             {
                 "job": job["name"],
                 "key": job["key"],
-                "running": f"{run['instance']} since {run['since']}" if run else "",
-                "last": f"{last['status']} {last['finished_at'] or ''}".strip() if last else "",
+                "schedule": job["schedule"],
+                "running": f"{run['instance']} since {instant(run['since'], tz)}" if run else "",
+                "last": f"{last['status']} {instant(last['finished_at'], tz)}".strip()
+                if last
+                else "",
                 "skips": f"{job['consecutive_skips']}/{job['skip_alert_after']}",
+                "failures": f"{job['consecutive_failures']}/{job['fail_alert_after']}",
                 "alerting": "yes" if job["alerting"] else "",
-                "paused": _paused_cell(job["paused"]),
+                "paused": _paused_cell(paused, tz),
                 "schedules": _schedules_cell(job["schedules"]),
-                "next_tick": job["next_tick"],
+                "next_tick": instant(job["next_tick"], tz) if not paused else "(paused)",
             }
         )
     print()
-    columns = ["job", "key", "running", "last", "skips", "alerting", "paused", "schedules"]
-    _table(rows, [*columns, "next_tick"])
+    columns = ["job", "key", "schedule", "running", "last", "skips", "failures", "alerting"]
+    table(rows, [*columns, "paused", "schedules", "next_tick"])
     return EXIT_OK
 
 
-def _paused_cell(paused: dict[str, Any] | None) -> str:
+def _paused_cell(paused: dict[str, Any] | None, tz: tzinfo) -> str:
     if paused is None:
         return ""
     why = f": {paused['reason']}" if paused["reason"] else ""
-    return f"by {paused['by']} since {paused['at']}{why}"
+    return f"by {paused['by']} since {instant(paused['at'], tz)}{why}"
 
 
 def _schedules_cell(found: list[dict[str, Any]]) -> str:
@@ -336,32 +360,80 @@ def _schedules_cell(found: list[dict[str, Any]]) -> str:
     return "DIFFER: " + "; ".join(f"{v['schedule']} on {', '.join(v['instances'])}" for v in found)
 
 
+def _history_filter(args: argparse.Namespace, catalog: Catalog) -> TickFilter:
+    """What `history` was asked for; a bad value is one clear line (exit 2)."""
+    now = datetime.now(UTC)
+    zone_shown = _zone_flag(args.tz)
+    since = _since(args.since, now, zone_shown) if args.since else None
+    until = _instant_flag("--until", args.until, zone_shown) if args.until else None
+    statuses: tuple[str, ...] = ()
+    if args.status:
+        statuses = tuple(s.strip().lower() for s in args.status.split(",") if s.strip())
+        unknown = [s for s in statuses if s not in {str(v) for v in Status}]
+        if unknown or not statuses:
+            known = ", ".join(str(v) for v in Status)
+            raise ConfigError(f"--status: {shorten(args.status)!r}: expected some of {known}")
+    limit = args.limit
+    if limit is None and since is None and until is None:
+        limit = 50
+    key = None if args.job is None else _named(catalog, args.job).key
+    return TickFilter(key, since, until, statuses, args.instance, limit)
+
+
+def _since(text: str, now: datetime, tz: tzinfo) -> datetime:
+    """An age (12h, 30m, 2d, 90s) before now, or an instant."""
+    from scheduler.schedules import parse_duration
+
+    if text.strip()[:1].isdigit() and text.strip()[-1:].isalpha():
+        try:
+            return now - parse_duration(text.strip())
+        except (ValueError, OverflowError):
+            pass
+    return _instant_flag("--since", text, tz)
+
+
+def _instant_flag(flag: str, text: str, tz: tzinfo) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConfigError(
+            f"{flag}: expected an age such as 12h or 30m, or an ISO-8601 instant such as"
+            f" 2026-11-29T22:00:00+01:00, got {shorten(text)!r}"
+        ) from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=tz)
+    return value.astimezone(UTC)
+
+
+def _zone_flag(name: str) -> tzinfo:
+    try:
+        return zone(name)
+    except ValueError as exc:
+        raise ConfigError(f"--tz: {shorten(name)!r}: {exc}") from None
+
+
 def _history(
-    config: Config, catalog: Catalog, name: str | None, limit: int, *, as_json: bool
+    config: Config, catalog: Catalog, wanted: TickFilter, tz_name: str, as_json: bool
 ) -> int:
     from scheduler.status import history
 
-    key = None if name is None else _named(catalog, name).key
-    rows = history(_ledger_backend(config), key, limit)
+    rows = history(_ledger_backend(config), wanted)
     if as_json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    _table(
-        rows,
-        [
-            "job",
-            "key",
-            "scheduled_at",
-            "instance",
-            "status",
-            "started_at",
-            "finished_at",
-            "duration_s",
-            "error",
-            "run_id",
-            "told",
-        ],
-    )
+    tz = _zone_flag(tz_name)
+    shown = [
+        {
+            **row,
+            "scheduled_at": instant(row["scheduled_at"], tz),
+            "started_at": instant(row["started_at"], tz),
+            "duration": duration(row["duration_s"]),
+            "manual": "yes" if row["manual"] else "",
+        }
+        for row in rows
+    ]
+    columns = ["scheduled_at", "job", "status", "instance", "started_at", "duration"]
+    table(shown, [*columns, "holder", "manual", "run_id", "told", "error"])
     return EXIT_OK
 
 
@@ -442,12 +514,3 @@ def _resume(config: Config, catalog: Catalog, name: str, by: str | None) -> int:
     else:
         print(f"{job.name}: resumed by {printable(actor)}; it was {ended.describe()}")
     return EXIT_OK
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """Aligned columns; what a job or a name said is shown escaped (one row, one line)."""
-    cells = [[("" if row[c] is None else printable(str(row[c]))) for c in columns] for row in rows]
-    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
-    for r in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())

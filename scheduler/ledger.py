@@ -273,12 +273,34 @@ def upsert(conn: Connection, table: Table) -> Any:
     return insert(table)
 
 
-def history(conn: Connection, key: int | None, limit: int) -> list[TickRow]:
+@dataclass(frozen=True)
+class TickFilter:
+    """Which ticks `history` shows: all of them by default, newest first."""
+
+    key: int | None = None
+    since: datetime | None = None  # scheduled at or after
+    until: datetime | None = None  # scheduled at or before
+    statuses: tuple[str, ...] = ()
+    instance: str | None = None
+    limit: int | None = 50
+
+
+def history(conn: Connection, wanted: TickFilter) -> list[TickRow]:
     """Most recent ticks first; served by the primary key or the scheduled_at index."""
     query = select(ticks)
-    if key is not None:
-        query = query.where(ticks.c.job_key == key)
-    query = query.order_by(desc(ticks.c.scheduled_at), ticks.c.job_key).limit(limit)
+    if wanted.key is not None:
+        query = query.where(ticks.c.job_key == wanted.key)
+    if wanted.since is not None:
+        query = query.where(ticks.c.scheduled_at >= wanted.since)
+    if wanted.until is not None:
+        query = query.where(ticks.c.scheduled_at <= wanted.until)
+    if wanted.statuses:
+        query = query.where(ticks.c.status.in_(wanted.statuses))
+    if wanted.instance is not None:
+        query = query.where(ticks.c.instance == wanted.instance)
+    query = query.order_by(desc(ticks.c.scheduled_at), ticks.c.job_key)
+    if wanted.limit is not None:
+        query = query.limit(wanted.limit)
     return [_row(r) for r in conn.execute(query)]
 
 

@@ -15,9 +15,9 @@ from scheduler.catalog import Catalog, schedule_text
 from scheduler.statuses import FINISHED
 
 
-def history(backend: Backend, key: int | None, limit: int) -> list[dict[str, Any]]:
+def history(backend: Backend, wanted: ledger.TickFilter) -> list[dict[str, Any]]:
     with backend.ledger_engine.connect() as conn:
-        return [row.as_json() for row in ledger.history(conn, key, limit)]
+        return [row.as_json() for row in ledger.history(conn, wanted)]
 
 
 def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]]:

@@ -222,7 +222,7 @@ def test_a_tracked_job_starts_with_no_streaks(replicas):
     done = finish(a, run)
     assert not done.recovered and not done.skips_recovered and done.consecutive_failures == 0
     with a.ledger_engine.connect() as conn:
-        rows = ledger.history(conn, KEY, 10)
+        rows = ledger.history(conn, ledger.TickFilter(KEY, limit=10))
     assert [r.manual for r in rows] == [False, False]
 
 

@@ -86,7 +86,7 @@ def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
         )
     recorded = sweep_missed(keeper, now - timedelta(seconds=40), now)
     with backend.ledger_engine.connect() as conn:
-        rows = ledger.history(conn, 621, 1000)
+        rows = ledger.history(conn, ledger.TickFilter(621, limit=1000))
     missed = [r.scheduled_at for r in rows if r.status == "missed"]
     assert recorded == len(missed) > 0
     assert ran not in missed  # a tick that has a row keeps it
@@ -141,7 +141,7 @@ def test_retention_prunes_old_finished_rows_only(backend_factory):
             break
     assert sum(pruned) == 30 and len(pruned) > 2  # in several bounded batches
     with backend.ledger_engine.connect() as conn:
-        left = {r.status for r in ledger.history(conn, 641, 100)}
+        left = {r.status for r in ledger.history(conn, ledger.TickFilter(641, limit=100))}
     assert left == {"running", "succeeded"}  # a run still going is never pruned
 
 
@@ -226,7 +226,7 @@ def test_replicas_that_differ_never_have_one_schedule_recorded_missed_for_the_ot
     keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
     sweep_missed(keeper, now - timedelta(seconds=60), now)
     with backend.ledger_engine.connect() as conn:
-        missed = [r.scheduled_at for r in ledger.history(conn, 641, 1000)]
+        missed = [r.scheduled_at for r in ledger.history(conn, ledger.TickFilter(641, limit=1000))]
     assert missed  # nobody claimed anything here: the common ticks are missed ...
     assert all(t.timestamp() % 6 == 0 for t in missed)  # ... and only those (every 6 s)
 
@@ -250,7 +250,9 @@ def test_a_fleet_that_comes_back_with_a_new_schedule_explains_every_old_tick(bac
     keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
     sweep_missed(keeper, down - timedelta(seconds=1), now)
     with backend.ledger_engine.connect() as conn:
-        missed = sorted(r.scheduled_at for r in ledger.history(conn, 651, 1000))
+        missed = sorted(
+            r.scheduled_at for r in ledger.history(conn, ledger.TickFilter(651, limit=1000))
+        )
     cutoff = now - new.misfire_grace - MISSED_MARGIN
     old_ticks = [t for t in missed if t < back]
     new_ticks = [t for t in missed if t > back]
@@ -315,7 +317,11 @@ def test_a_sweep_cut_short_after_its_election_loses_no_missed_tick(backend_facto
         )
     done = keeper.run_once()
     with backend.ledger_engine.connect() as conn:
-        missed = [r.scheduled_at for r in ledger.history(conn, 641, 1000) if r.status == "missed"]
+        missed = [
+            r.scheduled_at
+            for r in ledger.history(conn, ledger.TickFilter(641, limit=1000))
+            if r.status == "missed"
+        ]
     assert done["missed"] == len(missed)
     # From the last sweep before the failure (two minutes ago, less the grace and margin).
     assert min(missed) <= now - timedelta(minutes=2) + timedelta(seconds=1)

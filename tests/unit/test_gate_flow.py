@@ -250,7 +250,7 @@ def test_the_ledger_keeps_the_runs_own_duration(gate_over_file):
     from scheduler import ledger
 
     with backend.ledger_engine.connect() as conn:
-        (row,) = ledger.history(conn, 91, 1)
+        (row,) = ledger.history(conn, ledger.TickFilter(91, limit=1))
     assert row.duration_s == round(finished.duration_s, 6)
 
 

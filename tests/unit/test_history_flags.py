@@ -1,0 +1,48 @@
+"""`history` and `status` flags: bad values are one line and exit 2; durations as people
+read them; text status shows what JSON does (embedded ledger)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.tables import duration
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (("--status", "failed,exploded"), "--status: 'failed,exploded': expected some of"),
+        (("--status", ","), "--status: ','"),
+        (("--since", "yesterday"), "--since: expected an age such as 12h or 30m"),
+        (("--since", "12parsecs"), "--since: expected an age"),
+        (("--until", "2026-13-45"), "--until: expected"),
+        (("--tz", "Mars/Olympus"), "--tz: 'Mars/Olympus': unknown time zone"),
+        (("nope",), "no job named 'nope'"),
+    ],
+)
+def test_bad_history_flags_are_one_line_and_exit_2(run, args, expect):
+    code, out, err = run("history", *args)
+    assert code == 2 and out == ""
+    assert expect in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(None, ""), (0.0001, "0s"), (0.004, "0.004s"), (1.2149, "1.21s"), (42.49, "42.5s"),
+     (185.2, "3m05s"), (7265, "2h01m")],
+)  # fmt: skip
+def test_durations_are_rounded_for_people(seconds, shown):
+    assert duration(seconds) == shown
+
+
+def test_text_status_shows_failures_schedules_and_pauses_in_one_zone(run):
+    run("pause", "report", "--by", "ops", "--reason", "audit")
+    code, out, _ = run("status", "--tz", "America/New_York")
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("JOB"))
+    for column in ("SCHEDULE", "SKIPS", "FAILURES", "PAUSED", "NEXT_TICK"):
+        assert column in header.split()
+    sync = next(line for line in out.splitlines() if line.startswith("sync "))
+    report = next(line for line in out.splitlines() if line.startswith("report "))
+    assert "every 1m" in sync and "0/3" in sync and ("-05:00" in sync or "-04:00" in sync)
+    assert "by ops since" in report and "audit" in report and "(paused)" in report
