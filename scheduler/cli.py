@@ -212,7 +212,7 @@ def _check_schedules(config: Config, catalog: Catalog) -> None:
     backend = open_backend(config.settings)
     try:
         with backend.ledger_engine.connect() as conn:
-            if not inspect(conn).hastable("scheduler_registrations"):
+            if not inspect(conn).has_table("scheduler_registrations"):
                 print(f"{'schedules':<16} {'--':<4} no ledger yet: no replica has started")
                 return
         for agrees, detail in schedule_checks(backend, catalog):
