@@ -86,9 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     history.add_argument("--json", action="store_true")
     trigger = commands.add_parser(
-        "trigger", parents=[common], help="run one tick of a job now, through the gate"
+        "trigger", parents=[common], help="run one tick of a job now, on a live replica"
     )
     trigger.add_argument("job")
+    trigger.add_argument(
+        "--here", action="store_true", help="run it in this process instead (through the gate)"
+    )
     pause = commands.add_parser(
         "pause", parents=[common], help="pause a job for the whole fleet (persisted)"
     )
@@ -149,7 +152,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "history":
         return _history(config, catalog, _history_filter(args, catalog), args.tz, args.json)
     if args.command == "trigger":
-        return _trigger(config, catalog, args.job)
+        if args.here:
+            return _trigger(config, catalog, args.job)
+        return _trigger_on_fleet(config, catalog, args.job)
     if args.command == "pause":
         return _pause(config, catalog, args.job, args.reason, args.by)
     if args.command == "resume":
@@ -435,6 +440,80 @@ def _history(
     columns = ["scheduled_at", "job", "status", "instance", "started_at", "duration"]
     table(shown, [*columns, "holder", "manual", "run_id", "told", "error"])
     return EXIT_OK
+
+
+def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
+    """Hand the run to a live replica (scheduler.run_now) and wait for its outcome."""
+    import time
+
+    from scheduler import pauses, run_now
+
+    job = _named(catalog, name)
+    settings = config.settings
+    backend = _ledger_backend(config)
+    engine = backend.ledger_engine
+    if not _live(backend):
+        print(f"{name}: not run: no live replica (start one, or run it here with --here)")
+        return EXIT_HELD
+    with engine.begin() as conn:
+        request = run_now.ask(
+            conn, job.key, job.name, by=pauses.default_actor(), now=datetime.now(UTC),
+            namespace=settings.namespace,
+        )  # fmt: skip
+    patience = settings.holder_timeout + 5  # the heartbeat finds a request a notice missed
+    asked, looked, taker = time.monotonic(), time.monotonic(), None
+    try:
+        while True:
+            with engine.connect() as conn:
+                row = run_now.state(conn, request)
+            if row is None or row["finished_at"] is not None:
+                break
+            taker = row["taken_by"]
+            if taker is None and time.monotonic() - asked > patience:
+                with engine.begin() as conn:
+                    if run_now.withdraw(conn, request):
+                        print(
+                            f"{name}: not run: no live replica took it within {patience:g} s"
+                            " (does their config.yaml have the job?)"
+                        )
+                        return EXIT_HELD
+            if taker is not None and time.monotonic() - looked > 5:
+                looked = time.monotonic()
+                if taker not in _live(backend):
+                    print(
+                        f"{name}: {printable(taker)} took it and is gone; see `scheduler history`"
+                    )
+                    return EXIT_FAILED
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        with engine.begin() as conn:
+            if run_now.withdraw(conn, request):
+                print(f"{name}: not run: the request was withdrawn")
+            else:
+                print(
+                    f"{name}: goes on on {printable(taker or 'a replica')}; see `scheduler history`"
+                )
+        raise
+    if row is None:
+        print(f"{name}: not run: the request disappeared (pruned?)")
+        return EXIT_FAILED
+    where = printable(row["taken_by"])
+    if row["outcome"] == "held":
+        print(f"{name}: not run: its lock is held elsewhere ({printable(row['error'])})")
+        return EXIT_HELD
+    if row["outcome"] != "run":
+        print(f"{name}: not run on {where}: {printable(row['error'] or row['outcome'])}")
+        return EXIT_FAILED
+    print(
+        f"{name}: run {row['run_id']} {row['status']} on {where}"
+        + (f": {printable(row['error'])}" if row["error"] else "")
+    )
+    return EXIT_OK if row["status"] == Status.SUCCEEDED else EXIT_FAILED
+
+
+def _live(backend: Backend) -> set[str]:
+    with backend.ledger_engine.connect() as conn:
+        return {i["name"] for i in backend.live_instances(conn)}
 
 
 def _trigger(config: Config, catalog: Catalog, name: str) -> int:

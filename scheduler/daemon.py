@@ -36,6 +36,7 @@ from scheduler.logs import stop_logging
 from scheduler.notices import Notices
 from scheduler.pings import Pings
 from scheduler.reload import FileWatch, reread
+from scheduler.run_now import Desk
 from scheduler.runlog import RunLog
 from scheduler.schedules import ticks_between
 
@@ -215,6 +216,7 @@ class Daemon:
             max_workers=self.settings.max_workers,
             holder_timeout=self.settings.holder_timeout,
             listeners=self.listeners,
+            desk=Desk(self.backend.ledger_engine, lambda: self.catalog, lambda: datetime.now(UTC)),
         )
         self.housekeeping = Housekeeping(
             self.backend,

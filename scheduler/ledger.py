@@ -180,6 +180,31 @@ pauses = Table(
     Column("reason", Text),
 )
 
+# Run-now requests (`scheduler trigger` without --here): a command asks, a live replica
+# that runs the job takes the request and runs it through the gate as a manual tick,
+# then writes its outcome here, where the command reads it (see scheduler.run_now).
+run_requests = Table(
+    "scheduler_requests",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("job_key", Integer, nullable=False),
+    Column("job_name", Text, nullable=False),
+    Column("requested_by", Text, nullable=False),
+    Column("requested_at", UTCDateTime(), nullable=False),
+    Column("taken_by", Text),  # the replica that took it
+    Column("taken_at", UTCDateTime()),
+    Column("outcome", Text),  # run, held (the job's lock was held elsewhere), lost
+    Column("status", Text),  # the run's: succeeded, failed, interrupted, crashed
+    Column("run_id", BigInteger),
+    Column("error", Text),
+    Column("finished_at", UTCDateTime()),
+    sqlite_autoincrement=True,
+)
+PENDING_REQUESTS_INDEX = text(
+    "CREATE INDEX IF NOT EXISTS scheduler_requests_pending"
+    " ON scheduler_requests (id) WHERE taken_by IS NULL"
+)
+
 maintenance = Table(
     "scheduler_maintenance",
     metadata,
@@ -493,6 +518,7 @@ def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> in
     conn.execute(
         delete(notices).where(notices.c.done_at.is_not(None), notices.c.done_at < older_than)
     )
+    conn.execute(delete(run_requests).where(run_requests.c.requested_at < older_than))
     return removed or 0
 
 

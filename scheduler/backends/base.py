@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sqlalchemy import Connection, Engine
 
 from scheduler.statuses import Status
+
+if TYPE_CHECKING:
+    from scheduler.run_now import RunRequest
 
 
 class Intent(StrEnum):
@@ -139,6 +142,12 @@ class LockStore(Protocol):
 
     def abort(self) -> None:
         """From any thread: make a call hanging on a dead server fail now."""
+
+    def requests_pending(self) -> bool:
+        """Whether a run-now request may be waiting (cheap: no round trip on PostgreSQL)."""
+
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
+        """Take waiting run-now requests for these jobs (scheduler.run_now); SessionLost."""
 
 
 class LedgerStore(Protocol):

@@ -10,6 +10,7 @@ Coordinates the processes of one host only.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import ledger
+from scheduler import ledger, run_now
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
@@ -29,6 +30,7 @@ from scheduler.backends.base import (
 from scheduler.backends.embedded_steps import Steps
 from scheduler.backends.filelocks import FileLocks
 from scheduler.backends.schema import migrate
+from scheduler.run_now import RunRequest
 
 log = logging.getLogger("scheduler.embedded")
 
@@ -66,7 +68,9 @@ class EmbeddedBackend:
         instance: str,
         namespace: int,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.monotonic = monotonic
         self.database = database
         self.instance = instance
         self.namespace = namespace
@@ -74,6 +78,7 @@ class EmbeddedBackend:
         self.engine = sqlite_engine(database)
         self.locks = FileLocks(database.parent / f"{database.name}.locks", namespace)
         self._conn: Connection | None = None
+        self._requests_looked = -1e9  # monotonic: when requests_pending last looked
 
     def connect(self) -> None:
         self.close()
@@ -109,6 +114,20 @@ class EmbeddedBackend:
 
     def heartbeat(self) -> datetime:
         return self.clock()
+
+    def requests_pending(self) -> bool:
+        """A look at the local file, at most once a second (no server to notify us)."""
+        now = self.monotonic()
+        if self._conn is None or now < self._requests_looked + 1.0:
+            return False
+        self._requests_looked = now
+        with self._conn.begin():
+            return run_now.pending(self._conn)
+
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
+        assert self._conn is not None, "not connected"
+        with self._conn.begin():
+            return run_now.take(self._conn, instance, keys, self.clock())
 
     # -- housekeeping ---------------------------------------------------------------------
 

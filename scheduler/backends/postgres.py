@@ -25,6 +25,7 @@ from sqlalchemy import Connection, event, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
+from scheduler import run_now
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
@@ -49,6 +50,7 @@ from scheduler.backends.pg_session import (
 from scheduler.backends.queries import QUERIES
 from scheduler.backends.schema import migrate
 from scheduler.errors import ConfigError, PoolerError, one_line
+from scheduler.run_now import RunRequest
 from scheduler.statuses import CRASHED_LOST_LOCK
 from scheduler.urls import (
     database_url_secrets,
@@ -129,6 +131,7 @@ class PostgresBackend:
         event.listen(self.ledger_engine, "connect", self._ledger_session_settings)
         self._conn: Connection | None = None
         self._fleet = (1, 0)  # live replicas and this one's rank, as of the last claim
+        self._requests = False  # a run-now request may be waiting (notified, or seen)
 
     def say(self, exc: BaseException) -> str:
         """A driver's error in one line, with no part of any password in it."""
@@ -172,11 +175,19 @@ class PostgresBackend:
                     PRESENCE_KEY,
                 ),
             )
+            # Run-now requests wake the dispatcher: it selects on this session's socket.
+            driver.execute(f'LISTEN "{run_now.channel(self.namespace)}"')
+            driver.add_notify_handler(self._notified)
         except Exception as exc:
             conn.invalidate()
             conn.close()
             raise Unavailable(self.say(exc)) from None
         self._conn = conn
+        self._requests = True  # requests made while this replica was away
+
+    def _notified(self, notice: psycopg.Notify) -> None:
+        if notice.channel == run_now.channel(self.namespace):
+            self._requests = True
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -255,7 +266,8 @@ class PostgresBackend:
             self.close()
             raise SessionLost("the server closed the session")
         while (notice := pgconn.notifies()) is not None:
-            log.debug("ignoring notification %r", notice)
+            if notice.relname.decode(errors="replace") == run_now.channel(self.namespace):
+                self._requests = True
 
     # -- the gate's two steps ----------------------------------------------------
 
@@ -390,10 +402,22 @@ class PostgresBackend:
         ]  # fmt: skip
 
     def heartbeat(self) -> datetime:
+        """Also looks for run-now requests: one a notification missed is taken in time."""
         with self._session() as conn:
-            now = conn.execute(QUERIES["heartbeat"]).scalar_one()
+            now, waiting = conn.execute(QUERIES["heartbeat"]).one()
         assert isinstance(now, datetime)
+        self._requests = self._requests or bool(waiting)
         return now
+
+    def requests_pending(self) -> bool:
+        return self._requests
+
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
+        self._requests = False
+        with self._session() as conn:
+            taken = run_now.take(conn, instance, keys, func.now())
+        self._requests = len(taken) >= run_now.TAKE_AT_ONCE  # more may wait
+        return taken
 
     # -- housekeeping, on the ledger session -------------------------------------
 

@@ -21,7 +21,8 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
 SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
 
 -- name: heartbeat
-SELECT now()
+-- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py).
+SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL)
 
 -- name: held_locks
 -- Job locks some session of this database holds now (scheduler_locks in postgres.sql).

@@ -112,10 +112,13 @@ def _v4_pauses(conn: Connection) -> None:
 
 def _v5_drift(conn: Connection) -> None:
     """Whether a job's live replicas disagree on its schedule, and since when; how far
-    missed ticks are recorded (from where the sweep was, on a ledger that has run)."""
+    missed ticks are recorded (from where the sweep was, on a ledger that has run);
+    run-now requests."""
     known = conn.execute(
         select(ledger.maintenance.c.last_run_at).where(ledger.maintenance.c.task == "sweep")
     ).scalar()
+    ledger.run_requests.create(conn, checkfirst=True)
+    conn.execute(ledger.PENDING_REQUESTS_INDEX)
     if not conn.execute(
         select(ledger.maintenance.c.task).where(ledger.maintenance.c.task == "missed")
     ).first():

@@ -74,6 +74,7 @@ from scheduler.gate.finishes import Finishes
 from scheduler.gate.runs import ManualResult, Run, prepare
 from scheduler.gate.session import Backoff, LockSession
 from scheduler.gate.ticks import Running, TickQueue
+from scheduler.run_now import Desk
 from scheduler.runner import execute
 from scheduler.statuses import CRASHED_AT_SHUTDOWN, Status
 from scheduler.workers import Workers
@@ -105,8 +106,10 @@ class Gate:
         listeners: Sequence[events.Listener] = (),
         clock: Clock = utc_now,
         monotonic: Monotonic = time.monotonic,
+        desk: Desk | None = None,
     ) -> None:
         self.backend = backend
+        self.desk = desk  # run-now requests from the fleet's commands (None: none taken)
         self.instance = instance
         self.max_workers = max_workers
         self.holder_timeout = holder_timeout
@@ -306,6 +309,7 @@ class Gate:
             session.lose("no round trip succeeded within holder_timeout")
             return
         self._guard(self._record_finishes)
+        self._guard(self._take_requests)
         self._guard(self._claim_manual)
         self._guard(lambda: self.claims.queued(self._free_slots(), self._running))
         if session.heartbeat_due():
@@ -337,6 +341,31 @@ class Gate:
             with self._mutex:
                 if self._runs.get(run.job.key) is run:
                     del self._runs[run.job.key]
+
+    def _take_requests(self) -> None:
+        """Run-now requests for jobs of this replica: each becomes a manual tick here."""
+        desk = self.desk
+        if desk is None or self._stopping_runs.is_set() or not self.backend.requests_pending():
+            return
+        taken = self.session.round_trip(
+            lambda: self.backend.take_requests(self.instance, desk.keys())
+        )
+        assert isinstance(taken, list)
+        for request in taken:
+            job = desk.job(request.key)
+            result: Future[ManualResult] = Future()
+            result.add_done_callback(lambda done, r=request: desk.settle(r, done.result()))
+            if job is None:  # reloaded away between the take and now
+                result.set_result(ManualResult(Outcome.LOST, error="no such job here any more"))
+                continue
+            log.info(
+                "run-now: %s, asked by %s (request %d)", job.name, request.requested_by, request.id
+            )
+            now = self.clock()
+            with self._mutex:
+                self._manual.append(
+                    (job, now.replace(microsecond=now.microsecond // 1000 * 1000), result)
+                )
 
     def _claim_manual(self) -> None:
         with self._mutex:

@@ -291,3 +291,34 @@ def test_replicas_that_run_different_schedules_are_shown_told_and_run_each_tick_
     rows = {r["scheduled_at"]: r["status"] for r in old.ledger("steady")}
     window = whole_seconds(start + timedelta(seconds=2), end - timedelta(seconds=2))
     assert [t for t in window if rows.get(t) != "succeeded"] == [], rows
+
+
+def test_trigger_runs_on_a_live_replica_here_with_here_and_not_at_all_with_none_up(
+    tmp_path, database_url
+):
+    fleet = Fleet(tmp_path, database_url, {"steady": {"interval": "1d"}}, job_files=JOBS)
+    for name in ("r1", "r2"):
+        fleet.start(name)
+    try:
+        fleet.wait_ready()
+        on_fleet = cli(fleet, "trigger", "steady")
+        here = cli(fleet, "trigger", "steady", "--here")
+        codes = fleet.stop()
+        none_up = cli(fleet, "trigger", "steady")
+    finally:
+        fleet.kill_all()
+    assert codes == {"r1": 0, "r2": 0}, fleet.logs()
+    assert on_fleet.returncode == 0, on_fleet.stdout + on_fleet.stderr
+    ran_on = on_fleet.stdout.strip().rsplit(" on ", 1)[-1]
+    assert on_fleet.stdout.startswith("steady: run ") and ran_on in ("r1", "r2")
+    assert here.returncode == 0, here.stdout + here.stderr
+    starts = {e["run_id"]: e for e in fleet.starts()}
+    rows = {r["run_id"]: r for r in fleet.ledger("steady")}
+    assert len(starts) == len(rows) == 2 and all(r["manual"] for r in rows.values())
+    fleet_run = int(on_fleet.stdout.split()[2])
+    # The run happened in that replica's process, and the ledger names it.
+    assert rows[fleet_run]["instance"] == ran_on == starts[fleet_run]["instance"]
+    assert starts[fleet_run]["pid"] == fleet.replicas[ran_on].pid
+    (local,) = [e for e in starts.values() if e["run_id"] != fleet_run]
+    assert local["instance"] == "cli"  # --here: in the command's own process
+    assert none_up.returncode == 3 and "no live replica" in none_up.stdout

@@ -139,7 +139,7 @@ def test_a_job_can_neither_forge_log_lines_nor_keep_the_replica_from_exiting(
     replica = fleet.start("r1")
     try:
         fleet.wait_ready()
-        ran = cli(fleet, "trigger", "lingering", timeout=60)  # runs in the CLI process
+        ran = cli(fleet, "trigger", "lingering", "--here", timeout=60)  # in the CLI process
         replica.signal(signal.SIGTERM)
         code = replica.wait(30)
         history = cli(fleet, "history", "lingering")

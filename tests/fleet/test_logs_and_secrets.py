@@ -44,6 +44,7 @@ def test_json_logs_parse_and_no_secret_ever_appears(tmp_path, database_url):
             ["history", "--limit", "20"],
             ["status", "--json"],
             ["trigger", "every_second"],
+            ["trigger", "every_second", "--here"],
         ):
             result = cli(fleet, *args)
             outputs.append(result.stdout + result.stderr)

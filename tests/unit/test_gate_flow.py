@@ -303,3 +303,39 @@ def test_a_row_whose_error_text_cannot_be_stored_is_recorded_with_a_placeholder(
         poison, healthy = ledger.latest(conn, 96), ledger.latest(conn, 97)
     assert (poison.status, healthy.status) == ("failed", "succeeded")
     assert poison.error.startswith("(the job's error text could not be stored: ")
+
+
+def test_a_run_now_request_is_taken_run_here_and_its_outcome_written_back(tmp_path):
+    from datetime import UTC, datetime
+
+    from scheduler import run_now
+    from scheduler.catalog import Catalog
+
+    ran = []
+    job = make_job(98, ran.append, name="on_demand")
+    backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="u1", namespace=77)
+    backend.migrate()
+    desk = run_now.Desk(backend.ledger_engine, lambda: Catalog((job,)), lambda: datetime.now(UTC))
+    seen = Recorder()
+    gate = Gate(
+        backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen], desk=desk
+    )
+    try:
+        with backend.ledger_engine.begin() as conn:
+            mine = run_now.ask(conn, 98, "on_demand", by="ops", now=datetime.now(UTC), namespace=77)
+            other = run_now.ask(
+                conn, 12345, "elsewhere", by="ops", now=datetime.now(UTC), namespace=77
+            )
+
+        def state(request: int) -> dict:
+            with backend.ledger_engine.connect() as conn:
+                return run_now.state(conn, request)
+
+        settle(gate, lambda: state(mine)["finished_at"] is not None, "the request's outcome")
+        done = state(mine)
+        assert (done["taken_by"], done["outcome"], done["status"]) == ("u1", "run", "succeeded")
+        assert len(ran) == 1 and seen.of(events.RunStarted)[0].manual
+        assert seen.of(events.RunStarted)[0].run_id == done["run_id"]
+        assert state(other)["taken_by"] is None  # not a job of this replica: left to others
+    finally:
+        backend.close()
