@@ -54,11 +54,13 @@ def words(text: str | None) -> str:
         return "not scheduled (disabled, or no schedule)"
     try:
         body = json.loads(text)
+        offset = float(body.get("offset") or 0)
+        shift = f" +{format_duration(timedelta(seconds=offset))}" if offset else ""
         if "interval" in body:
             every = format_duration(timedelta(seconds=float(body["interval"])))
             start = body.get("start")
-            return f"every {every}" + (f" from {start}" if start else "")
-        return f"cron {body['cron']} in {body['timezone']}"
+            return f"every {every}" + (f" from {start}" if start else "") + shift
+        return f"cron {body['cron']} in {body['timezone']}{shift}"
     except (ValueError, TypeError, KeyError, AttributeError):
         return f"unreadable ({text[:80]})"  # written by another version
 

@@ -18,11 +18,14 @@ from scheduler.config import Config, JobConfig
 from scheduler.errors import ConfigError
 from scheduler.registry import JobSpec, Registry, discover
 from scheduler.schedules import (
+    Schedule,
+    Shifted,
     cron_trigger,
     format_duration,
     interval_trigger,
     next_tick,
     next_ticks,
+    spread_offset,
     zone,
 )
 
@@ -45,7 +48,7 @@ class CatalogJob:
     log: logging.Logger = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        key = schedule_key(self.schedule, self.timezone) if self.schedule else None
+        key = schedule_key(self.schedule, self.timezone, self.spec.key) if self.schedule else None
         object.__setattr__(self, "schedule_key", key)
         object.__setattr__(self, "trigger", trigger_for(key) if key else None)
         object.__setattr__(self, "name", self.spec.name)
@@ -72,6 +75,11 @@ class CatalogJob:
             text = f"every {format_duration(self.schedule.interval)}"
         else:
             text = f"cron {self.schedule.cron}"
+        if self.schedule.spread and self.schedule_key is not None:
+            offset = self.schedule_key[3]
+            assert isinstance(offset, timedelta)
+            shift = format_duration(offset) if offset else "0s"
+            text += f", spread {format_duration(self.schedule.spread)} (+{shift})"
         return text if self.schedule.enabled else f"{text} (disabled)"
 
     def next_tick(self, now: datetime) -> datetime | None:
@@ -124,30 +132,36 @@ class Catalog:
         return tuple(job for job in self.jobs if job.scheduled)
 
 
-def schedule_key(schedule: JobConfig, timezone: str) -> tuple[object, ...]:
-    """What decides a schedule's ticks, and nothing else.
+def schedule_key(schedule: JobConfig, timezone: str, job_key: int = 0) -> tuple[object, ...]:
+    """What decides a schedule's ticks, and nothing else: (kind, value, where, offset).
 
     Jobs whose keys are equal fire at the same instants, so the daemon gives
     them one APScheduler job: a thousand jobs on one grid cost APScheduler
-    one job, not a thousand, and reach the gate as one burst.
+    one job, not a thousand, and reach the gate as one burst. A `spread`
+    gives each job its own offset (from its key), and so its own instants.
     """
+    offset = spread_offset(job_key, schedule.spread) if schedule.spread else timedelta(0)
     if schedule.interval is not None:
         start = schedule.start
         if start is not None and start.tzinfo is None:
             start = start.replace(tzinfo=zone(timezone))
-        return ("interval", schedule.interval, start.astimezone(UTC) if start else None)
+        return ("interval", schedule.interval, start.astimezone(UTC) if start else None, offset)
     assert schedule.cron is not None
-    return ("cron", " ".join(schedule.cron.split()), timezone)
+    return ("cron", " ".join(schedule.cron.split()), timezone, offset)
 
 
 def trigger_for(key: tuple[object, ...]) -> BaseTrigger:
     """The trigger of a schedule, from its `schedule_key`."""
-    kind, value, where = key
+    kind, value, where, offset = key
+    base: Schedule
     if kind == "interval":
         assert isinstance(value, timedelta) and (where is None or isinstance(where, datetime))
-        return interval_trigger(value, where)
-    assert isinstance(value, str) and isinstance(where, str)
-    return cron_trigger(value, zone(where))
+        base = interval_trigger(value, where)
+    else:
+        assert isinstance(value, str) and isinstance(where, str)
+        base = cron_trigger(value, zone(where))
+    assert isinstance(offset, timedelta)
+    return Shifted(base, offset) if offset else base
 
 
 def schedule_text(job: CatalogJob) -> str | None:
@@ -158,7 +172,7 @@ def schedule_text(job: CatalogJob) -> str | None:
     """
     if not job.scheduled or job.schedule_key is None:
         return None
-    kind, value, where = job.schedule_key
+    kind, value, where, offset = job.schedule_key
     if kind == "interval":
         assert isinstance(value, timedelta) and (where is None or isinstance(where, datetime))
         body: dict[str, object] = {
@@ -167,6 +181,9 @@ def schedule_text(job: CatalogJob) -> str | None:
         }
     else:
         body = {"cron": value, "timezone": where}
+    if offset:  # absent without a spread: texts stay those of earlier versions
+        assert isinstance(offset, timedelta)
+        body["offset"] = offset.total_seconds()
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
@@ -175,16 +192,17 @@ def trigger_of(text: str) -> BaseTrigger | None:
     (written by another version): such a schedule is never taken to contain a tick."""
     try:
         body = json.loads(text)
+        offset = timedelta(seconds=float(body.get("offset") or 0))
         if "interval" in body:
             start = datetime.fromisoformat(body["start"]) if body["start"] else None
-            return trigger_for(("interval", timedelta(seconds=body["interval"]), start))
-        return trigger_for(("cron", body["cron"], body["timezone"]))
+            return trigger_for(("interval", timedelta(seconds=body["interval"]), start, offset))
+        return trigger_for(("cron", body["cron"], body["timezone"], offset))
     except (ValueError, TypeError, KeyError, AssertionError, OverflowError):
         return None
 
 
-def build_trigger(schedule: JobConfig, timezone: str) -> BaseTrigger:
-    return trigger_for(schedule_key(schedule, timezone))
+def build_trigger(schedule: JobConfig, timezone: str, job_key: int = 0) -> BaseTrigger:
+    return trigger_for(schedule_key(schedule, timezone, job_key))
 
 
 def build_catalog(config: Config, registry: Registry) -> Catalog:

@@ -155,12 +155,22 @@ class JobConfig(BaseModel):
     enabled: bool = True
     catch_up: Literal["off", "latest"] = "off"
     misfire_grace: timedelta | None = None
+    spread: timedelta | None = None  # each tick moved by an offset in [0, spread) from the key
 
     @field_validator("interval", mode="before")
     @classmethod
     def _interval(cls, value: Any) -> timedelta | None:
         """At least a second (a shorter grid burns a core), at most ten years."""
         return _duration(value, MIN_INTERVAL, MAX_INTERVAL, "must be between 1 s and 3650 days")
+
+    @field_validator("spread", mode="before")
+    @classmethod
+    def _spread(cls, value: Any) -> timedelta | None:
+        """Whole seconds from 1 s to a day: offsets are whole seconds."""
+        spread = _duration(value, MIN_INTERVAL, timedelta(days=1), "must be between 1 s and 1 day")
+        if spread is not None and spread.total_seconds() != int(spread.total_seconds()):
+            raise ValueError("must be whole seconds, such as 90s or 10m")
+        return spread
 
     @field_validator("misfire_grace", mode="before")
     @classmethod

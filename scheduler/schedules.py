@@ -15,6 +15,7 @@ wall clock in real time.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import re
@@ -227,6 +228,52 @@ class IntervalGrid(Schedule):
     __repr__ = __str__
 
 
+class Shifted(Schedule):
+    """Another schedule's ticks, each moved later by one fixed offset (`spread`).
+
+    The offset is added to the instants the schedule computes, DST rules
+    applied: each tick of the schedule gives exactly one tick here, in the
+    same order, so a spread can neither double nor drop a tick.
+    """
+
+    __slots__ = ("base", "offset")
+
+    def __init__(self, base: Schedule, offset: timedelta) -> None:
+        self.base = base
+        self.offset = offset
+
+    def ticks_after(self, instant: datetime) -> Iterator[datetime]:
+        for tick in self.base.ticks_after(instant - self.offset):
+            try:
+                yield tick + self.offset
+            except OverflowError:
+                return
+
+    def latest(self, after: datetime, until: datetime, limit: int) -> list[datetime] | None:
+        if not isinstance(self.base, IntervalGrid):
+            return None
+        found = self.base.latest(after - self.offset, until - self.offset, limit)
+        return [tick + self.offset for tick in found]
+
+    def __str__(self) -> str:
+        return f"{self.base} +{format_duration(self.offset) if self.offset else '0s'}"
+
+    __repr__ = __str__
+
+
+def spread_offset(key: int, spread: timedelta) -> timedelta:
+    """Where in [0, spread) a job's ticks fall: whole seconds from the job's key alone.
+
+    The same on every replica and in every version (a SHA-256 of the key, not
+    Python's per-process hash), so every replica fires the same instants.
+    """
+    seconds = int(spread.total_seconds())
+    if seconds < 1:
+        return timedelta(0)
+    digest = hashlib.sha256(f"scheduler-spread:{key}".encode()).digest()
+    return timedelta(seconds=int.from_bytes(digest[:8], "big") % seconds)
+
+
 def _check_fields(expr: str) -> None:
     """A ValueError naming the field at fault, or nothing."""
     try:
@@ -335,6 +382,11 @@ def ticks_between(
         return []
     if isinstance(trigger, IntervalGrid):
         return trigger.latest(after, until, limit)
+    if (
+        isinstance(trigger, Shifted)
+        and (computed := trigger.latest(after, until, limit)) is not None
+    ):
+        return computed
     window = timedelta(minutes=1)
     while True:
         since = after if window >= until - after else until - window
