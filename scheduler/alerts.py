@@ -19,6 +19,7 @@ Events (the `event` field of the webhook body):
 - ``job.schedule_drift``: the live replicas have run different schedules for
   the job for longer than `schedule_drift_grace` (see `scheduler.agreement`).
 - ``job.schedule_agreed``: they run one schedule again.
+- ``job.timed_out``: a run passed the job's `timeout` (once per run).
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ JOB_PAUSED = "job.paused"
 JOB_RESUMED = "job.resumed"
 SCHEDULE_DRIFT = "job.schedule_drift"
 SCHEDULE_AGREED = "job.schedule_agreed"
+TIMED_OUT = "job.timed_out"
 
 LEVELS = {
     SKIPS_EXCEEDED: logging.ERROR,
     FAILURES_EXCEEDED: logging.ERROR,
     SCHEDULE_DRIFT: logging.ERROR,
+    TIMED_OUT: logging.ERROR,
     RECOVERED: logging.WARNING,
     FAILURES_RECOVERED: logging.WARNING,
 }
@@ -118,6 +121,12 @@ class Notice:
             return (
                 f"{self.job}: resumed by {f.get('by')} (paused by {f.get('paused_by')} "
                 f"since {f.get('paused_at')})"
+            )
+        if self.event == TIMED_OUT:
+            return (
+                f"{self.job}: run {f.get('run_id')} on {f.get('instance')} passed its timeout"
+                f" of {f.get('timeout')}; told to stop (ctx.timed_out), it keeps the job's lock"
+                " until it returns, and is recorded failed"
             )
         if self.event in (SCHEDULE_DRIFT, SCHEDULE_AGREED):
             said = "; ".join(

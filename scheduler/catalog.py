@@ -65,6 +65,10 @@ class CatalogJob:
         return self.enabled and self.trigger is not None
 
     @property
+    def timeout(self) -> timedelta | None:
+        return self.schedule.timeout if self.schedule else None
+
+    @property
     def ping_url(self) -> str | None:
         return self.schedule.ping_url if self.schedule else None
 

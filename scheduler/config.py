@@ -156,12 +156,18 @@ class JobConfig(BaseModel):
     catch_up: Literal["off", "latest"] = "off"
     misfire_grace: timedelta | None = None
     spread: timedelta | None = None  # each tick moved by an offset in [0, spread) from the key
+    timeout: timedelta | None = None  # a run past it is told (ctx.timed_out) and fails
 
     @field_validator("interval", mode="before")
     @classmethod
     def _interval(cls, value: Any) -> timedelta | None:
         """At least a second (a shorter grid burns a core), at most ten years."""
         return _duration(value, MIN_INTERVAL, MAX_INTERVAL, "must be between 1 s and 3650 days")
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _timeout(cls, value: Any) -> timedelta | None:
+        return _duration(value, MIN_INTERVAL, timedelta(days=30), "must be between 1 s and 30 days")
 
     @field_validator("spread", mode="before")
     @classmethod

@@ -16,7 +16,9 @@ class RunContext:
     job writes to, so they can refuse a write from a run that is older than
     one they have already seen (a stale run whose replica froze and lost its
     lock). ``lock_lost`` is set the moment this replica can no longer prove it
-    holds the job's lock; ``stopping`` when the daemon shuts down.
+    holds the job's lock; ``stopping`` when the daemon shuts down;
+    ``timed_out`` when the run has taken longer than the job's `timeout`
+    (a coroutine job is cancelled then; a thread cannot be: return soon).
     """
 
     job_name: str
@@ -26,6 +28,7 @@ class RunContext:
     run_id: int
     lock_lost: threading.Event = field(default_factory=threading.Event)
     stopping: threading.Event = field(default_factory=threading.Event)
+    timed_out: threading.Event = field(default_factory=threading.Event)
     log: logging.LoggerAdapter = field(  # type: ignore[type-arg]
         default_factory=lambda: logging.LoggerAdapter(logging.getLogger("scheduler.job"))
     )

@@ -73,6 +73,16 @@ class TickMissed:
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
+class RunTimedOut:
+    job: str
+    key: int
+    scheduled_at: datetime
+    run_id: int
+    instance: str
+    timeout_s: float
+
+
+@dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
 class TickPaused:
     job: str
     key: int
@@ -99,6 +109,7 @@ Event = (
     | TickSkipped
     | TickMissed
     | TickPaused
+    | RunTimedOut
     | LockSessionUp
     | LockSessionLost
 )
@@ -126,6 +137,9 @@ class Observer:
     def tick_paused(self, event: TickPaused) -> None:
         return None
 
+    def run_timed_out(self, event: RunTimedOut) -> None:
+        return None
+
     def lock_session_up(self, event: LockSessionUp) -> None:
         return None
 
@@ -139,6 +153,7 @@ _METHODS: dict[type, str] = {
     TickSkipped: "tick_skipped",
     TickMissed: "tick_missed",
     TickPaused: "tick_paused",
+    RunTimedOut: "run_timed_out",
     LockSessionUp: "lock_session_up",
     LockSessionLost: "lock_session_lost",
 }

@@ -49,6 +49,12 @@ class Metrics(events.Observer):
             ["job"],
             registry=r,
         )
+        self.timeouts = Counter(
+            "scheduler_job_timeouts",
+            "Runs of the job on this replica that passed its timeout.",
+            ["job"],
+            registry=r,
+        )
         self.schedule_drift = Gauge(
             "scheduler_job_schedule_drift",
             "1 while the job's live replicas run different schedules (refreshed every 30 s).",
@@ -143,6 +149,9 @@ class Metrics(events.Observer):
 
     def tick_missed(self, event: events.TickMissed) -> None:
         self.missed.labels(job=event.job).inc()
+
+    def run_timed_out(self, event: events.RunTimedOut) -> None:
+        self.timeouts.labels(job=event.job).inc()
 
     def tick_paused(self, event: events.TickPaused) -> None:
         self.paused.labels(job=event.job).inc()

@@ -27,10 +27,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from scheduler import events, ledger
+from scheduler import alerts, events, ledger
 from scheduler.alerts import Notice
 from scheduler.errors import one_line
 from scheduler.posting import post, redact_url
+from scheduler.schedules import format_duration
 
 log = logging.getLogger("scheduler.alerts")
 
@@ -77,6 +78,26 @@ class Notices(events.Observer):
     def run_finished(self, event: events.RunFinished) -> None:
         if event.notices:
             self.schedule(event.notices)
+
+    def run_timed_out(self, event: events.RunTimedOut) -> None:
+        """Raised here, when the timer fires: a run that never returns is still told of."""
+        facts = {
+            "instance": event.instance,
+            "run_id": event.run_id,
+            "timeout": format_duration(timedelta(seconds=event.timeout_s)),
+            "timeout_s": event.timeout_s,
+        }
+        try:
+            with self.engine.begin() as conn:
+                notice = ledger.add_notice(
+                    conn, alerts.TIMED_OUT, event.key, event.job, facts,
+                    raised_by=self.instance, now=self.clock(),
+                    scheduled_at=event.scheduled_at, deliverer=self.instance,
+                )  # fmt: skip
+        except Exception as exc:
+            log.warning("cannot raise job.timed_out for %s: %s", event.job, one_line(exc))
+            return
+        self.schedule([notice])
 
     def adopt(self, conn: Connection, now: Any) -> int:
         """Inside housekeeping's transaction: take over notices nobody is delivering."""

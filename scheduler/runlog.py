@@ -141,6 +141,18 @@ class _Lines(events.Observer):
             extra=self.fields(event, "job", "key", "scheduled_at", "instance"),
         )
 
+    def run_timed_out(self, event: events.RunTimedOut) -> None:
+        self.add(
+            logging.WARNING,
+            "run timed out: %s tick %s (run %d) passed its timeout of %gs; told (ctx.timed_out),"
+            " it keeps the lock until it returns",
+            event.job,
+            event.scheduled_at.isoformat(),
+            event.run_id,
+            event.timeout_s,
+            extra=self.fields(event, "job", "key", "scheduled_at", "run_id", "instance"),
+        )
+
     def tick_paused(self, event: events.TickPaused) -> None:
         """DEBUG: a paused job has one such line per tick; the pause itself is the news."""
         self.add(

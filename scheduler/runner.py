@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import traceback
+from collections.abc import Awaitable
 
 from scheduler.context import Interrupted, RunContext
 from scheduler.registry import JobSpec
@@ -18,7 +20,7 @@ def execute(spec: JobSpec, ctx: RunContext) -> tuple[Status, str | None]:
     try:
         result = spec.func(*args)
         if inspect.isawaitable(result):
-            asyncio.run(_await(result))
+            asyncio.run(_await(result, ctx))
     except Interrupted as exc:
         reason = str(exc) or None
         ctx.log.warning("run interrupted%s", f": {reason}" if reason else "")
@@ -29,8 +31,17 @@ def execute(spec: JobSpec, ctx: RunContext) -> tuple[Status, str | None]:
     return Status.SUCCEEDED, None
 
 
-async def _await(awaitable: object) -> None:
-    await awaitable  # type: ignore[misc]
+async def _await(awaitable: Awaitable[object], ctx: RunContext) -> None:
+    """Await the job; cancel it once the run has timed out (ctx.timed_out)."""
+    task = asyncio.ensure_future(awaitable)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.1)
+        if ctx.timed_out.is_set() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return
+    task.result()
 
 
 def describe(exc: BaseException) -> str:

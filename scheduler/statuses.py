@@ -32,3 +32,5 @@ class Told(StrEnum):
 CRASHED_LOST_LOCK = "its replica died or lost the job's lock before the run ended"
 CRASHED_FOUND_BY_SWEEP = "its replica died before the run ended (no session holds the job's lock)"
 CRASHED_AT_SHUTDOWN = "still running when shutdown_grace ({grace:g} s) ran out"
+# Why a run was recorded `failed` although it may have returned: the job's `timeout`.
+TIMED_OUT = "timed out after {timeout}"

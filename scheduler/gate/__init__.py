@@ -64,7 +64,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from scheduler import events
 from scheduler.backends.base import LockStore, Outcome, SessionLost
@@ -76,7 +76,8 @@ from scheduler.gate.session import Backoff, LockSession
 from scheduler.gate.ticks import Running, TickQueue
 from scheduler.run_now import Desk
 from scheduler.runner import execute
-from scheduler.statuses import CRASHED_AT_SHUTDOWN, Status
+from scheduler.schedules import format_duration
+from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
 from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
@@ -424,8 +425,29 @@ class Gate:
 
     def _execute(self, run: Run, started: events.RunStarted) -> None:
         self._emit(started)  # listeners are thread-safe
+        timeout = run.job.timeout
+        timer = None
+        if timeout is not None:  # only jobs with a timeout pay for a timer thread
+            timer = threading.Timer(timeout.total_seconds(), self._time_out, (run, timeout))
+            timer.daemon = True
+            timer.start()
         status, error = execute(run.job.spec, run.ctx)
+        if timer is not None:
+            timer.cancel()
+        if timeout is not None and run.ctx.timed_out.is_set():
+            status, error = Status.FAILED, TIMED_OUT.format(timeout=format_duration(timeout))
         self.finishes.ended(run, status, error)
+
+    def _time_out(self, run: Run, timeout: timedelta) -> None:
+        """The run passed its job's timeout: told now; it keeps the lock until it returns."""
+        run.ctx.timed_out.set()
+        ctx = run.ctx
+        seconds = timeout.total_seconds()
+        self._emit(
+            events.RunTimedOut(
+                ctx.job_name, ctx.key, ctx.scheduled_at, ctx.run_id, self.instance, seconds
+            )
+        )
 
     # -- plumbing --------------------------------------------------------------------
 

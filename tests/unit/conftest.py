@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.cli import main
+from scheduler.gate import Gate
+from tests.support import FakeMonotonic, Recorder
 
 JOBS = """
 from scheduler import job
@@ -47,3 +50,28 @@ def run(tmp_path: Path, capsys, monkeypatch):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def gate_over_file(tmp_path):
+    """(gate, recorder, clock, backend) over a SQLite ledger and file locks in tmp_path."""
+    made = []
+
+    def make(instance: str = "u1", max_workers: int = 4, clock: FakeMonotonic | None = None):
+        backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance, namespace=77)
+        backend.migrate()
+        seen, clock = Recorder(), clock or FakeMonotonic()
+        gate = Gate(
+            backend,
+            instance=instance,
+            max_workers=max_workers,
+            holder_timeout=30,
+            listeners=[seen],
+            monotonic=clock,
+        )
+        made.append(gate)
+        return gate, seen, clock, backend
+
+    yield make
+    for gate in made:
+        gate.backend.close()

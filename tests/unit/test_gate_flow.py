@@ -8,39 +8,12 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from scheduler import events
 from scheduler.backends.base import ClaimResult, Intent, Outcome
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.context import Interrupted
 from scheduler.gate import Gate
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle
-
-
-@pytest.fixture
-def gate_over_file(tmp_path):
-    """(gate, recorder, clock, backend) over a SQLite ledger and file locks in tmp_path."""
-    made = []
-
-    def make(instance: str = "u1", max_workers: int = 4, clock: FakeMonotonic | None = None):
-        backend = EmbeddedBackend(tmp_path / "scheduler.db", instance=instance, namespace=77)
-        backend.migrate()
-        seen, clock = Recorder(), clock or FakeMonotonic()
-        gate = Gate(
-            backend,
-            instance=instance,
-            max_workers=max_workers,
-            holder_timeout=30,
-            listeners=[seen],
-            monotonic=clock,
-        )
-        made.append(gate)
-        return gate, seen, clock, backend
-
-    yield make
-    for gate in made:
-        gate.backend.close()
 
 
 class Calls:
