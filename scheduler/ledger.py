@@ -30,6 +30,7 @@ from sqlalchemy import (
     TypeDecorator,
     delete,
     desc,
+    exists,
     false,
     or_,
     select,
@@ -728,3 +729,52 @@ def prune_registrations(conn: Connection, older_than: datetime) -> int:
         ).rowcount
         or 0
     )
+
+
+# -- run-now requests (scheduler.run_now) --------------------------------------------
+
+RUN_NOW_TAKE_AT_ONCE = 10  # requests one replica takes per look
+
+
+def run_now_channel(namespace: int) -> str:
+    """The fleet's LISTEN/NOTIFY channel: fleets in other schemas have other namespaces."""
+    return f"scheduler_run_now_{namespace & 0xFFFFFFFF}"
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A run-now request a replica took."""
+
+    id: int
+    key: int
+    name: str
+    requested_by: str
+
+
+def run_requests_waiting(conn: Connection) -> bool:
+    r = run_requests
+    return bool(conn.execute(select(exists().where(r.c.taken_by.is_(None)))).scalar())
+
+
+def take_run_requests(
+    conn: Connection, instance: str, keys: list[int], now: Any
+) -> list[RunRequest]:
+    """Take requests for jobs this replica runs; another replica's take skips them."""
+    r = run_requests
+    if not keys:
+        return []
+    wanted = (
+        select(r.c.id)
+        .where(r.c.taken_by.is_(None), r.c.job_key.in_(sorted(keys)))
+        .order_by(r.c.id)
+        .limit(RUN_NOW_TAKE_AT_ONCE)
+    )
+    if conn.dialect.name == "postgresql":
+        wanted = wanted.with_for_update(skip_locked=True)
+    rows = conn.execute(
+        update(r)
+        .where(r.c.id.in_(wanted.scalar_subquery()), r.c.taken_by.is_(None))
+        .values(taken_by=instance, taken_at=now)
+        .returning(r.c.id, r.c.job_key, r.c.job_name, r.c.requested_by)
+    ).all()
+    return [RunRequest(row.id, row.job_key, row.job_name, row.requested_by) for row in rows]

@@ -13,12 +13,11 @@ the command that made it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, delete, exists, select, text, update
+from sqlalchemy import Connection, Engine, delete, select, text, update
 
 from scheduler import ledger
 from scheduler.errors import one_line
@@ -26,24 +25,8 @@ from scheduler.text import storable
 
 if TYPE_CHECKING:
     from scheduler.catalog import Catalog, CatalogJob
-    from scheduler.gate.runs import ManualResult
 
 log = logging.getLogger("scheduler.run_now")
-
-TAKE_AT_ONCE = 10  # requests one replica takes per look
-
-
-def channel(namespace: int) -> str:
-    """The fleet's LISTEN/NOTIFY channel: fleets in other schemas have other namespaces."""
-    return f"scheduler_run_now_{namespace & 0xFFFFFFFF}"
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    id: int
-    key: int
-    name: str
-    requested_by: str
 
 
 def ask(
@@ -58,36 +41,9 @@ def ask(
     if namespace is not None and conn.dialect.name == "postgresql":
         conn.execute(
             text("SELECT pg_notify(:channel, :id)"),
-            {"channel": channel(namespace), "id": str(request)},
+            {"channel": ledger.run_now_channel(namespace), "id": str(request)},
         )
     return request
-
-
-def pending(conn: Connection) -> bool:
-    r = ledger.run_requests
-    return bool(conn.execute(select(exists().where(r.c.taken_by.is_(None)))).scalar())
-
-
-def take(conn: Connection, instance: str, keys: Sequence[int], now: Any) -> list[RunRequest]:
-    """Take requests for jobs this replica runs; another replica's take skips them."""
-    r = ledger.run_requests
-    if not keys:
-        return []
-    wanted = (
-        select(r.c.id)
-        .where(r.c.taken_by.is_(None), r.c.job_key.in_(sorted(keys)))
-        .order_by(r.c.id)
-        .limit(TAKE_AT_ONCE)
-    )
-    if conn.dialect.name == "postgresql":
-        wanted = wanted.with_for_update(skip_locked=True)
-    rows = conn.execute(
-        update(r)
-        .where(r.c.id.in_(wanted.scalar_subquery()), r.c.taken_by.is_(None))
-        .values(taken_by=instance, taken_at=now)
-        .returning(r.c.id, r.c.job_key, r.c.job_name, r.c.requested_by)
-    ).all()
-    return [RunRequest(row.id, row.job_key, row.job_name, row.requested_by) for row in rows]
 
 
 def settle(
@@ -124,7 +80,8 @@ def withdraw(conn: Connection, request: int) -> bool:
 
 
 class Desk:
-    """A replica's side of run-now: which jobs it can take, and where outcomes go.
+    """A replica's side of run-now (the gate's RequestDesk): which jobs it can take, and
+    where outcomes go.
 
     The gate takes requests through its lock session and runs them; the
     outcome is written here, on the ledger session, from whichever thread
@@ -144,16 +101,23 @@ class Desk:
     def job(self, key: int) -> CatalogJob | None:
         return self.jobs().by_key(key)
 
-    def settle(self, request: RunRequest, result: ManualResult) -> None:
+    def settle(
+        self,
+        request: ledger.RunRequest,
+        outcome: str,
+        status: str | None,
+        run_id: int | None,
+        error: str | None,
+    ) -> None:
         try:
             with self.engine.begin() as conn:
                 settle(
                     conn,
                     request.id,
-                    outcome=str(result.outcome),
-                    status=None if result.status is None else str(result.status),
-                    run_id=result.run_id,
-                    error=result.error or (f"held by {result.holder}" if result.holder else None),
+                    outcome=outcome,
+                    status=status,
+                    run_id=run_id,
+                    error=error,
                     now=self.clock(),
                 )
         except Exception as exc:  # the command sees it unsettled, and says so

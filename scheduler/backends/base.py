@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine
 from scheduler.statuses import Status
 
 if TYPE_CHECKING:
-    from scheduler.run_now import RunRequest
+    from scheduler.ledger import RunRequest
 
 
 class Intent(StrEnum):
@@ -147,7 +147,7 @@ class LockStore(Protocol):
         """Whether a run-now request may be waiting (cheap: no round trip on PostgreSQL)."""
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
-        """Take waiting run-now requests for these jobs (scheduler.run_now); SessionLost."""
+        """Take waiting run-now requests for these jobs (scheduler.run_now). SessionLost."""
 
 
 class LedgerStore(Protocol):

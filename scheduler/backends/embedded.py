@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import ledger, run_now
+from scheduler import ledger
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
@@ -30,7 +30,6 @@ from scheduler.backends.base import (
 from scheduler.backends.embedded_steps import Steps
 from scheduler.backends.filelocks import FileLocks
 from scheduler.backends.schema import migrate
-from scheduler.run_now import RunRequest
 
 log = logging.getLogger("scheduler.embedded")
 
@@ -122,12 +121,12 @@ class EmbeddedBackend:
             return False
         self._requests_looked = now
         with self._conn.begin():
-            return run_now.pending(self._conn)
+            return ledger.run_requests_waiting(self._conn)
 
-    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"
         with self._conn.begin():
-            return run_now.take(self._conn, instance, keys, self.clock())
+            return ledger.take_run_requests(self._conn, instance, list(keys), self.clock())
 
     # -- housekeeping ---------------------------------------------------------------------
 

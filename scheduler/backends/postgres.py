@@ -25,7 +25,7 @@ from sqlalchemy import Connection, event, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from scheduler import run_now
+from scheduler import ledger
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
@@ -50,7 +50,6 @@ from scheduler.backends.pg_session import (
 from scheduler.backends.queries import QUERIES
 from scheduler.backends.schema import migrate
 from scheduler.errors import ConfigError, PoolerError, one_line
-from scheduler.run_now import RunRequest
 from scheduler.statuses import CRASHED_LOST_LOCK
 from scheduler.urls import (
     database_url_secrets,
@@ -176,7 +175,7 @@ class PostgresBackend:
                 ),
             )
             # Run-now requests wake the dispatcher: it selects on this session's socket.
-            driver.execute(f'LISTEN "{run_now.channel(self.namespace)}"')
+            driver.execute(f'LISTEN "{ledger.run_now_channel(self.namespace)}"')
             driver.add_notify_handler(self._notified)
         except Exception as exc:
             conn.invalidate()
@@ -186,7 +185,7 @@ class PostgresBackend:
         self._requests = True  # requests made while this replica was away
 
     def _notified(self, notice: psycopg.Notify) -> None:
-        if notice.channel == run_now.channel(self.namespace):
+        if notice.channel == ledger.run_now_channel(self.namespace):
             self._requests = True
 
     def close(self) -> None:
@@ -266,7 +265,7 @@ class PostgresBackend:
             self.close()
             raise SessionLost("the server closed the session")
         while (notice := pgconn.notifies()) is not None:
-            if notice.relname.decode(errors="replace") == run_now.channel(self.namespace):
+            if notice.relname.decode(errors="replace") == ledger.run_now_channel(self.namespace):
                 self._requests = True
 
     # -- the gate's two steps ----------------------------------------------------
@@ -412,11 +411,11 @@ class PostgresBackend:
     def requests_pending(self) -> bool:
         return self._requests
 
-    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         self._requests = False
         with self._session() as conn:
-            taken = run_now.take(conn, instance, keys, func.now())
-        self._requests = len(taken) >= run_now.TAKE_AT_ONCE  # more may wait
+            taken = ledger.take_run_requests(conn, instance, list(keys), func.now())
+        self._requests = len(taken) >= ledger.RUN_NOW_TAKE_AT_ONCE  # more may wait
         return taken
 
     # -- housekeeping, on the ledger session -------------------------------------

@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
+from typing import Protocol
 
 from scheduler import events
 from scheduler.backends.base import LockStore, Outcome, SessionLost
@@ -74,7 +75,7 @@ from scheduler.gate.finishes import Finishes
 from scheduler.gate.runs import ManualResult, Run, prepare
 from scheduler.gate.session import Backoff, LockSession
 from scheduler.gate.ticks import Running, TickQueue
-from scheduler.run_now import Desk
+from scheduler.ledger import RunRequest
 from scheduler.runner import execute
 from scheduler.schedules import format_duration
 from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
@@ -107,7 +108,7 @@ class Gate:
         listeners: Sequence[events.Listener] = (),
         clock: Clock = utc_now,
         monotonic: Monotonic = time.monotonic,
-        desk: Desk | None = None,
+        desk: RequestDesk | None = None,
     ) -> None:
         self.backend = backend
         self.desk = desk  # run-now requests from the fleet's commands (None: none taken)
@@ -355,7 +356,7 @@ class Gate:
         for request in taken:
             job = desk.job(request.key)
             result: Future[ManualResult] = Future()
-            result.add_done_callback(lambda done, r=request: desk.settle(r, done.result()))
+            result.add_done_callback(lambda done, r=request: _settle(desk, r, done.result()))
             if job is None:  # reloaded away between the take and now
                 result.set_result(ManualResult(Outcome.LOST, error="no such job here any more"))
                 continue
@@ -466,6 +467,30 @@ class Gate:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
+
+
+class RequestDesk(Protocol):
+    """Run-now requests (scheduler.run_now.Desk): the jobs this replica may take, and
+    where an outcome goes (written on the ledger session, from the thread that ends it)."""
+
+    def keys(self) -> list[int]: ...
+
+    def job(self, key: int) -> CatalogJob | None: ...
+
+    def settle(
+        self,
+        request: RunRequest,
+        outcome: str,
+        status: str | None,
+        run_id: int | None,
+        error: str | None,
+    ) -> None: ...
+
+
+def _settle(desk: RequestDesk, request: RunRequest, result: ManualResult) -> None:
+    held = f"held by {result.holder}" if result.holder else None
+    status = None if result.status is None else str(result.status)
+    desk.settle(request, str(result.outcome), status, result.run_id, result.error or held)
 
 
 __all__ = ["Backoff", "Gate", "ManualResult", "Run", "claim_request", "utc_now"]
