@@ -30,7 +30,6 @@ from sqlalchemy import (
     TypeDecorator,
     delete,
     desc,
-    exists,
     false,
     or_,
     select,
@@ -749,11 +748,6 @@ class RunRequest:
     key: int
     name: str
     requested_by: str
-
-
-def run_requests_waiting(conn: Connection) -> bool:
-    r = run_requests
-    return bool(conn.execute(select(exists().where(r.c.taken_by.is_(None)))).scalar())
 
 
 def take_run_requests(

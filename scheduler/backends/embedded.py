@@ -120,8 +120,12 @@ class EmbeddedBackend:
         if self._conn is None or now < self._requests_looked + 1.0:
             return False
         self._requests_looked = now
-        with self._conn.begin():
-            return ledger.run_requests_waiting(self._conn)
+        # A plain read, outside any transaction: no BEGIN IMMEDIATE, so no writer waits.
+        driver = self._conn.connection.driver_connection
+        found = driver.execute(  # type: ignore[union-attr]
+            "SELECT EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL)"
+        ).fetchone()
+        return bool(found and found[0])
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"
