@@ -322,3 +322,31 @@ def test_trigger_runs_on_a_live_replica_here_with_here_and_not_at_all_with_none_
     (local,) = [e for e in starts.values() if e["run_id"] != fleet_run]
     assert local["instance"] == "cli"  # --here: in the command's own process
     assert none_up.returncode == 3 and "no live replica" in none_up.stdout
+
+
+def test_a_run_past_its_timeout_is_told_recorded_failed_and_alerted_once(tmp_path, database_url):
+    receiver = Receiver()
+    schedules = {"overstays": {"interval": "1d", "timeout": "1s"}}
+    settings = {"alert_webhook_url": receiver.url("/hook")}
+    fleet = Fleet(tmp_path, database_url, schedules, settings=settings, job_files=JOBS)
+    fleet.start("r1")
+    try:
+        fleet.wait_ready()
+        ran = cli(fleet, "trigger", "overstays")  # on the replica, through run-now
+        wait_for(lambda: receiver.bodies("job.timed_out"), 60, "the job.timed_out notice")
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+        receiver.close()
+    assert codes == {"r1": 0}, fleet.logs()
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert ran.stdout.strip().endswith("failed on r1: timed out after 1s"), ran.stdout
+    (notice,) = receiver.bodies("job.timed_out")
+    assert (notice["instance"], notice["timeout"]) == ("r1", "1s")
+    (row,) = fleet.ledger("overstays")
+    assert (row["status"], row["error"], row["run_id"]) == (
+        "failed",
+        "timed out after 1s",
+        notice["run_id"],
+    )
+    assert "run timed out: overstays" in fleet.replicas["r1"].log()
