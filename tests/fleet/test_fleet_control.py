@@ -83,10 +83,11 @@ def _pause_restart_resume(fleet: Fleet, receiver: Receiver | None, names: list[s
         "the sweep to record the restart gap's ticks paused",
     )
 
+    resuming_at = datetime.now(UTC)  # every tick before this one is paused
     done = cli(fleet, "resume", "steady", "--by", "ops@test")
     assert done.returncode == 0, done.stderr
     assert "resumed by ops@test; it was paused by ops@test" in done.stdout
-    resumed_at = datetime.now(UTC)
+    resumed_at = datetime.now(UTC)  # the command has returned: every tick from now runs
     wait_for(lambda: ran_after(fleet, resumed_at), 30, "a run after the resume")
     if receiver is not None:
         wait_for(
@@ -104,7 +105,7 @@ def _pause_restart_resume(fleet: Fleet, receiver: Receiver | None, names: list[s
     assert paused and min(paused) >= paused_at - timedelta(seconds=2)
     assert max(paused) < resumed_at + timedelta(seconds=2)
     assert all(r["run_id"] is None for r in rows if r["status"] == "paused")
-    window = (paused_at + timedelta(seconds=1), resumed_at)
+    window = (paused_at + timedelta(seconds=1), resuming_at)
     within = [r for r in rows if window[0] <= parse_tick(r["scheduled_at"]) <= window[1]]
     assert {r["status"] for r in within} == {"paused"}, within
     assert not [e for e in fleet.ends() if e.get("overlap")]
@@ -257,7 +258,8 @@ def test_replicas_that_run_different_schedules_are_shown_told_and_run_each_tick_
         start = datetime.now(UTC)
 
         def shown() -> list[dict]:
-            (job,) = json.loads(cli(old, "status", "--json").stdout)["jobs"]
+            jobs = json.loads(cli(old, "status", "--json").stdout)["jobs"]
+            (job,) = [j for j in jobs if j["name"] == "steady"]
             return job["schedules"] if not job["schedules_agree"] else []
 
         wait_for(lambda: len(shown()) == 2, 30, "status to show both schedules")
