@@ -239,7 +239,8 @@ def _jobs(
 ) -> int:
     """Every job (or one) and its next tick; with `--next N`, its next N ticks."""
     n = _preview_count(count) if count is not None else None
-    now = _instant(after, config.settings.timezone) if after is not None else datetime.now(UTC)
+    where = zone(config.settings.timezone)
+    now = _instant("--after", after, where) if after is not None else datetime.now(UTC)
     jobs = list(catalog) if name is None else [_named(catalog, name)]
     if n is None:
         rows = [{**job.as_json(now), "source": job.spec.source} for job in jobs]
@@ -277,21 +278,21 @@ def _preview_count(text: str) -> int:
     return value
 
 
-def _instant(text: str, default_zone: str) -> datetime:
-    """ISO-8601; without an offset, a wall-clock time in `default_zone`."""
+ISO_EXAMPLE = "an ISO-8601 date and time such as 2026-10-25T01:30:00+01:00"
+
+
+def _instant(flag: str, text: str, tz: tzinfo, expected: str = ISO_EXAMPLE) -> datetime:
+    """ISO-8601; without an offset, a wall-clock time in `tz`. Else one line naming `flag`."""
     try:
         value = datetime.fromisoformat(text.strip())
     except ValueError:
-        raise ConfigError(
-            f"--after: expected an ISO-8601 date and time such as 2026-10-25T01:30:00+01:00,"
-            f" got {text!r}"
-        ) from None
+        raise ConfigError(f"{flag}: expected {expected}, got {shorten(text)!r}") from None
     if value.tzinfo is None:
-        value = value.replace(tzinfo=zone(default_zone))
+        value = value.replace(tzinfo=tz)
     try:
         return value.astimezone(UTC)
     except OverflowError:
-        raise ConfigError(f"--after: {text!r} is out of range (years 1 to 9999)") from None
+        raise ConfigError(f"{flag}: {shorten(text)!r} is out of range (years 1 to 9999)") from None
 
 
 def _named(catalog: Catalog, name: str) -> CatalogJob:
@@ -370,7 +371,7 @@ def _history_filter(args: argparse.Namespace, catalog: Catalog) -> TickFilter:
     now = datetime.now(UTC)
     zone_shown = _zone_flag(args.tz)
     since = _since(args.since, now, zone_shown) if args.since else None
-    until = _instant_flag("--until", args.until, zone_shown) if args.until else None
+    until = _instant("--until", args.until, zone_shown) if args.until else None
     statuses: tuple[str, ...] = ()
     if args.status:
         statuses = tuple(s.strip().lower() for s in args.status.split(",") if s.strip())
@@ -394,20 +395,7 @@ def _since(text: str, now: datetime, tz: tzinfo) -> datetime:
             return now - parse_duration(text.strip())
         except (ValueError, OverflowError):
             pass
-    return _instant_flag("--since", text, tz)
-
-
-def _instant_flag(flag: str, text: str, tz: tzinfo) -> datetime:
-    try:
-        value = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ConfigError(
-            f"{flag}: expected an age such as 12h or 30m, or an ISO-8601 instant such as"
-            f" 2026-11-29T22:00:00+01:00, got {shorten(text)!r}"
-        ) from None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=tz)
-    return value.astimezone(UTC)
+    return _instant("--since", text, tz, "an age such as 12h or 30m, or " + ISO_EXAMPLE)
 
 
 def _zone_flag(name: str) -> tzinfo:

@@ -16,6 +16,11 @@ from scheduler.tables import duration
         (("--since", "yesterday"), "--since: expected an age such as 12h or 30m"),
         (("--since", "12parsecs"), "--since: expected an age"),
         (("--until", "2026-13-45"), "--until: expected"),
+        (
+            ("--until", "0001-01-01T00:00:00+14:00"),
+            "--until: '0001-01-01T00:00:00+14:00' is out of range",
+        ),
+        (("--since", "x" * 5000 + "\x00"), "--since: expected an age"),
         (("--tz", "Mars/Olympus"), "--tz: 'Mars/Olympus': unknown time zone"),
         (("nope",), "no job named 'nope'"),
     ],
