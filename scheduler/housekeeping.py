@@ -184,8 +184,8 @@ class Housekeeping:
                 since = ledger.missed_watermark(conn)
                 done["missed"] = self.sweep_missed(conn, states, since, sweep[1], registered)
                 ledger.set_missed_watermark(conn, max(since, sweep[1]))
+        names = {job.key: job.name for job in self.catalog}
         if self.on_streaks:
-            names = {job.key: job.name for job in self.catalog}
             self.on_streaks(
                 {
                     names[key]: int(state["consecutive_skips"])  # type: ignore[call-overload]
@@ -194,7 +194,6 @@ class Housekeeping:
                 }
             )
         if self.on_drift:
-            names = {job.key: job.name for job in self.catalog}
             self.on_drift(
                 {
                     names[key]: state.get("drift_since") is not None

@@ -176,10 +176,7 @@ class Gate:
     def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
         """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
         result: Future[ManualResult] = Future()
-        now = self.clock()
-        tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
-        with self._mutex:
-            self._manual.append((job, tick, result))
+        self._queue_manual(job, result)
         self._wake()
         deadline = None if timeout is None else self.monotonic() + timeout
         while not result.done():  # awake every second for a signal's handler (Daemon.run)
@@ -363,11 +360,15 @@ class Gate:
             log.info(
                 "run-now: %s, asked by %s (request %d)", job.name, request.requested_by, request.id
             )
-            now = self.clock()
-            with self._mutex:
-                self._manual.append(
-                    (job, now.replace(microsecond=now.microsecond // 1000 * 1000), result)
-                )
+            self._queue_manual(job, result)
+
+    def _queue_manual(self, job: CatalogJob, result: Future[ManualResult]) -> None:
+        """A manual tick of its own: "now", to the millisecond (the claim step takes it)."""
+        now = self.clock()
+        with self._mutex:
+            self._manual.append(
+                (job, now.replace(microsecond=now.microsecond // 1000 * 1000), result)
+            )
 
     def _claim_manual(self) -> None:
         with self._mutex:
