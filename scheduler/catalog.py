@@ -38,6 +38,9 @@ class CatalogJob:
     skip_threshold: int
     fail_threshold: int
     misfire_grace: timedelta
+    retries: int = 0  # more attempts of a failed tick
+    retry_delay: timedelta = timedelta(seconds=10)  # before the first retry, then doubling
+    retry_delay_max: timedelta = timedelta(minutes=10)
     # Derived from the schedule: jobs with equal keys fire at exactly the same
     # ticks (see `schedule_key`), and the trigger computes them.
     schedule_key: tuple[object, ...] | None = field(init=False)
@@ -63,6 +66,27 @@ class CatalogJob:
     def scheduled(self) -> bool:
         """Fires on its own: scheduled in config.yaml and enabled."""
         return self.enabled and self.trigger is not None
+
+    def retry_in(self, attempt: int) -> timedelta | None:
+        """How long after failed attempt `attempt` (1: the first) the next is due; None: no
+        attempt is left."""
+        if attempt > self.retries:
+            return None
+        return min(self.retry_delay * 2 ** min(attempt - 1, 30), self.retry_delay_max)
+
+    @property
+    def catch_up_window(self) -> timedelta:
+        """How far back `catch_up: all` looks (default: the misfire grace)."""
+        window = self.schedule.catch_up_window if self.schedule else None
+        return window or self.misfire_grace
+
+    @property
+    def missed_after(self) -> timedelta:
+        """How late a tick without a row is recorded missed by the sweep: a `catch_up: all`
+        job's ticks stay catchable for its whole window."""
+        if self.schedule is not None and self.schedule.catch_up == "all":
+            return max(self.misfire_grace, self.catch_up_window)
+        return self.misfire_grace
 
     @property
     def timeout(self) -> timedelta | None:
@@ -223,6 +247,7 @@ def build_catalog(config: Config, registry: Registry) -> Catalog:
     for spec in sorted(registry.jobs.values(), key=lambda s: s.name):
         schedule = config.jobs.get(spec.name)
         tz = settings.job_timezone(schedule) if schedule else settings.timezone
+        retries, retry_delay, retry_delay_max = settings.retry_policy(schedule)
         jobs.append(
             CatalogJob(
                 spec=spec,
@@ -231,6 +256,9 @@ def build_catalog(config: Config, registry: Registry) -> Catalog:
                 skip_threshold=settings.skip_threshold(schedule),
                 fail_threshold=settings.fail_threshold(schedule),
                 misfire_grace=settings.grace(schedule),
+                retries=retries,
+                retry_delay=retry_delay,
+                retry_delay_max=retry_delay_max,
             )
         )
     return Catalog(tuple(jobs))

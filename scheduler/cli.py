@@ -415,19 +415,30 @@ def _history(
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     tz = _zone_flag(tz_name)
-    shown = [
-        {
-            **row,
-            "scheduled_at": instant(row["scheduled_at"], tz),
-            "started_at": instant(row["started_at"], tz),
-            "duration": duration(row["duration_s"]),
-            "manual": "yes" if row["manual"] else "",
-        }
-        for row in rows
-    ]
-    columns = ["scheduled_at", "job", "status", "instance", "started_at", "duration"]
-    table(shown, [*columns, "holder", "manual", "run_id", "told", "error"])
+    shown = []
+    for row in rows:  # a retried tick, then its earlier attempts, newest first
+        shown.append(_history_line(row, tz))
+        for earlier in reversed(row["attempts"]):
+            shown.append(_history_line({**row, **earlier, "retry_at": None}, tz))
+    columns = ["scheduled_at", "job", "status", "attempt", "instance", "started_at", "duration"]
+    table(shown, [*columns, "holder", "note", "run_id", "told", "error"])
     return EXIT_OK
+
+
+def _history_line(row: dict[str, Any], tz: tzinfo) -> dict[str, Any]:
+    notes = ["manual"] if row.get("manual") else []
+    if row.get("caught_up"):
+        notes.append("caught up")
+    if row.get("retry_at"):
+        notes.append(f"next attempt {instant(row['retry_at'], tz)}")
+    return {
+        **row,
+        "scheduled_at": instant(row["scheduled_at"], tz),
+        "started_at": instant(row["started_at"], tz),
+        "duration": duration(row["duration_s"]),
+        "attempt": row["attempt"] if row["attempt"] > 1 or row["attempts"] else "",
+        "note": ", ".join(notes),
+    }
 
 
 def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:

@@ -153,8 +153,15 @@ class JobConfig(BaseModel):
     fail_alert_after: Threshold | None = None
     ping_url: str | None = None
     enabled: bool = True
-    catch_up: Literal["off", "latest"] = "off"
+    catch_up: Literal["off", "latest", "all"] = "off"
+    # `all`: ticks no replica started within this window are run when the fleet comes
+    # back (default: misfire_grace), at most `catch_up_limit` of them, the newest ones.
+    catch_up_window: timedelta | None = None
+    catch_up_limit: Annotated[int, _whole(1, 1000)] = 10
     misfire_grace: timedelta | None = None
+    retries: Annotated[int, _whole(0, 100)] | None = None  # more attempts of a failed tick
+    retry_delay: timedelta | None = None  # before the first retry; doubles for each next one
+    retry_delay_max: timedelta | None = None
     spread: timedelta | None = None  # each tick moved by an offset in [0, spread) from the key
     timeout: timedelta | None = None  # a run past it is told (ctx.timed_out) and fails
 
@@ -168,6 +175,16 @@ class JobConfig(BaseModel):
     @classmethod
     def _timeout(cls, value: Any) -> timedelta | None:
         return _duration(value, MIN_INTERVAL, timedelta(days=30), "must be between 1 s and 30 days")
+
+    @field_validator("retry_delay", "retry_delay_max", mode="before")
+    @classmethod
+    def _retry_delay(cls, value: Any) -> timedelta | None:
+        return _duration(value, MIN_INTERVAL, timedelta(days=1), "must be between 1 s and 1 day")
+
+    @field_validator("catch_up_window", mode="before")
+    @classmethod
+    def _catch_up_window(cls, value: Any) -> timedelta | None:
+        return _duration(value, MIN_INTERVAL, timedelta(days=7), "must be between 1 s and 7 days")
 
     @field_validator("spread", mode="before")
     @classmethod
@@ -214,6 +231,12 @@ class JobConfig(BaseModel):
             raise ValueError("needs exactly one of `cron` or `interval`")
         if self.start is not None and self.interval is None:
             raise ValueError("`start` anchors an interval grid; it has no meaning with `cron`")
+        if self.retry_delay and self.retry_delay_max and self.retry_delay_max < self.retry_delay:
+            raise ValueError("`retry_delay_max` must be at least `retry_delay`")
+        if self.catch_up != "all" and "catch_up_window" in self.model_fields_set:
+            raise ValueError("`catch_up_window` has a meaning only with `catch_up: all`")
+        if self.catch_up != "all" and "catch_up_limit" in self.model_fields_set:
+            raise ValueError("`catch_up_limit` has a meaning only with `catch_up: all`")
         return self
 
 
@@ -255,6 +278,13 @@ class Settings(BaseSettings):
             0, 86400, "must be a number of seconds above 0 and at most 86400 (1 day)", above=True
         ),
     ] = 30.0
+    retries: Annotated[int, _whole(0, 100)] = 0
+    retry_delay: Annotated[
+        float, _ranged(1, 86400, "must be a number of seconds between 1 and 86400")
+    ] = 10.0
+    retry_delay_max: Annotated[
+        float, _ranged(1, 86400, "must be a number of seconds between 1 and 86400")
+    ] = 600.0
     retention_days: Annotated[
         float, _ranged(0, 36500, "must be a number of days above 0 and at most 36500", above=True)
     ] = 14.0
@@ -347,6 +377,13 @@ class Settings(BaseSettings):
 
     def fail_threshold(self, job: JobConfig | None) -> int:
         return (job.fail_alert_after if job else None) or self.fail_alert_after
+
+    def retry_policy(self, job: JobConfig | None) -> tuple[int, timedelta, timedelta]:
+        """Retries, the first delay and the longest (each from the job, else the setting)."""
+        retries = job.retries if job and job.retries is not None else self.retries
+        first = (job.retry_delay if job else None) or timedelta(seconds=self.retry_delay)
+        cap = (job.retry_delay_max if job else None) or timedelta(seconds=self.retry_delay_max)
+        return retries, first, max(first, cap)
 
     def grace(self, job: JobConfig | None) -> timedelta:
         if job is not None and job.misfire_grace is not None:

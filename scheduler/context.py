@@ -19,6 +19,8 @@ class RunContext:
     holds the job's lock; ``stopping`` when the daemon shuts down;
     ``timed_out`` when the run has taken longer than the job's `timeout`
     (a coroutine job is cancelled then; a thread cannot be: return soon).
+    ``attempt`` counts the runs of this tick: a retry has the same
+    ``scheduled_at`` and a new ``run_id``.
     """
 
     job_name: str
@@ -29,6 +31,7 @@ class RunContext:
     lock_lost: threading.Event = field(default_factory=threading.Event)
     stopping: threading.Event = field(default_factory=threading.Event)
     timed_out: threading.Event = field(default_factory=threading.Event)
+    attempt: int = 1  # 1 for the first; 2 and up for a retry of the same tick (job `retries`)
     log: logging.LoggerAdapter = field(  # type: ignore[type-arg]
         default_factory=lambda: logging.LoggerAdapter(logging.getLogger("scheduler.job"))
     )

@@ -24,10 +24,11 @@ from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import events
+from scheduler import catch_up, events
 from scheduler.backends import Backend, open_backend
 from scheduler.backends.base import Unavailable
 from scheduler.catalog import Catalog, CatalogJob
+from scheduler.catch_up import CatchUp
 from scheduler.config import Config
 from scheduler.errors import ConfigError, one_line
 from scheduler.gate import Backoff, Gate
@@ -38,7 +39,6 @@ from scheduler.pings import Pings
 from scheduler.reload import FileWatch, reread
 from scheduler.run_now import Desk
 from scheduler.runlog import RunLog
-from scheduler.schedules import ticks_between
 
 log = logging.getLogger("scheduler.daemon")
 
@@ -155,19 +155,6 @@ def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> N
         scheduler.resume()
 
 
-def catch_up(catalog: Catalog, gate: Gate, now: datetime) -> None:
-    """`catch_up: latest`: the most recent past tick, if within grace, goes to the gate.
-
-    If a replica already ran it, the claim is simply lost.
-    """
-    for job in catalog.scheduled:
-        if job.schedule is None or job.schedule.catch_up != "latest" or job.trigger is None:
-            continue
-        latest = ticks_between(job.trigger, now - job.misfire_grace, now, limit=1)
-        if latest:
-            gate.submit(job, latest[-1])
-
-
 class Daemon:
     """One replica: backend, gate, scheduler, optional HTTP; signals end it."""
 
@@ -218,6 +205,14 @@ class Daemon:
             listeners=self.listeners,
             desk=Desk(self.backend.ledger_engine, lambda: self.catalog, lambda: datetime.now(UTC)),
         )
+        self.catching_up = CatchUp(
+            self.gate,
+            self.backend.ledger_engine,
+            lambda: self.catalog,
+            instance=self.settings.instance_name,
+            clock=lambda: datetime.now(UTC),
+        )
+        self.gate.listeners.append(self.catching_up)  # a pass each time the lock session is up
         self.housekeeping = Housekeeping(
             self.backend,
             catalog,
@@ -319,7 +314,7 @@ class Daemon:
         self.gate.start()
         self.housekeeping.start()
         self.scheduler.start()
-        catch_up(self.catalog, self.gate, datetime.now(UTC))
+        catch_up.latest(self.catalog, self.gate, datetime.now(UTC))
         # What start-up built (modules, settings, the catalog) lives as long as the
         # daemon. Frozen, it is out of the collector's sight: a full collection no
         # longer walks it (it paused every thread for 50-90 ms at 500 runs a second).
@@ -374,6 +369,7 @@ class Daemon:
         )
         self.scheduler.shutdown(wait=False)
         self.housekeeping.stop()
+        self.catching_up.stop()
         abandoned = self.gate.stop(self.settings.shutdown_grace)
         if abandoned:
             # Their threads cannot be stopped. They were told (ctx.lock_lost) and recorded

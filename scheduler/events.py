@@ -26,6 +26,8 @@ class RunStarted:
     crashed: int  # stale runs of this job the claim marked crashed
     skips_ended: int  # length of the fleet-wide skip streak this run ends
     ping_url: str | None
+    attempt: int = 1  # 2 and up: a retry of a failed attempt (job `retries`)
+    caught_up: bool = False  # a tick missed while the fleet was down (`catch_up: all`)
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
@@ -35,7 +37,7 @@ class RunFinished:
     scheduled_at: datetime
     run_id: int
     instance: str
-    status: Status  # succeeded, failed, interrupted or crashed
+    status: Status  # succeeded, failed, interrupted, crashed, or retrying (another attempt due)
     error: str | None
     duration_s: float
     recorded: bool  # False: the run had lost its lock and its row was taken over
@@ -48,6 +50,8 @@ class RunFinished:
     skips_recovered: bool  # this run kept up again after an overrun that had alerted
     notices: tuple[int, ...]  # outbox notices the finish raised (delivered by scheduler.notices)
     ping_url: str | None
+    attempt: int = 1
+    retry_in_s: float | None = None  # status retrying: the next attempt is due this much later
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build

@@ -322,8 +322,8 @@ class Housekeeping:
                 continue
             since = state["tracked_since"]
             assert isinstance(since, datetime)
-            start = max(since, previous - job.misfire_grace - MISSED_MARGIN)
-            until = now - job.misfire_grace - MISSED_MARGIN
+            start = max(since, previous - job.missed_after - MISSED_MARGIN)
+            until = now - job.missed_after - MISSED_MARGIN
             if until <= start:
                 continue
             ticks = InForce(job, by_job.get(job.key, [])).due(start, until)

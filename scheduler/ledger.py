@@ -8,7 +8,7 @@ inserts (the protocol is told in `scheduler.gate`). Both backends
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -90,8 +90,38 @@ ticks = Table(
     Column("manual", Boolean, nullable=False, server_default=false()),
     Column("told", Text),  # what the run was told while it ran: stopping, lock_lost
     Column("duration_s", Float),  # the run's own duration, measured where it ran
+    # Retries (job `retries`): the row holds the tick's latest attempt; earlier ones are
+    # kept in scheduler_attempts. `retry_at`: when a `retrying` tick's next attempt is due.
+    Column("attempt", Integer, nullable=False, server_default="1"),
+    Column("retry_at", UTCDateTime()),
+    # Run after the fleet came back (`catch_up: all`), later than its misfire grace.
+    Column("caught_up", Boolean, nullable=False, server_default=false()),
     CheckConstraint(STATUS_CHECK, name="scheduler_ticks_status"),
     Index("scheduler_ticks_scheduled_at", "scheduled_at"),
+)
+
+# Ticks waiting for their next attempt: every replica looks for due ones.
+RETRYING_INDEX = text(
+    "CREATE INDEX IF NOT EXISTS scheduler_ticks_retrying"
+    " ON scheduler_ticks (retry_at) WHERE status = 'retrying'"
+)
+
+# The earlier attempts of a tick that was retried (the tick's row holds the latest):
+# copied here by the claim that starts the next attempt.
+attempts = Table(
+    "scheduler_attempts",
+    metadata,
+    Column("job_key", Integer, primary_key=True),
+    Column("scheduled_at", UTCDateTime(), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("instance", Text),
+    Column("run_id", BigInteger),
+    Column("status", String(16), nullable=False),
+    Column("started_at", UTCDateTime()),
+    Column("finished_at", UTCDateTime()),
+    Column("duration_s", Float),
+    Column("error", Text),
+    Column("told", Text),
 )
 
 # Runs still going, by job: every claim that starts a run looks for stale ones.
@@ -243,6 +273,10 @@ class TickRow:
     holder: str | None
     manual: bool
     told: str | None = None
+    attempt: int = 1  # the row's attempt; earlier ones are in `attempts`, oldest first
+    retry_at: datetime | None = None  # status retrying: when the next attempt is due
+    caught_up: bool = False
+    attempts: tuple[dict[str, object], ...] = ()
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -259,6 +293,10 @@ class TickRow:
             "holder": self.holder,
             "manual": self.manual,
             "told": self.told,
+            "attempt": self.attempt,
+            "retry_at": iso(self.retry_at),
+            "caught_up": self.caught_up,
+            "attempts": list(self.attempts),
         }
 
 
@@ -286,7 +324,41 @@ def _row(row: object) -> TickRow:
         holder=m["holder"],
         manual=bool(m["manual"]),
         told=m["told"],
+        attempt=m["attempt"],
+        retry_at=m["retry_at"],
+        caught_up=bool(m["caught_up"]),
     )
+
+
+def _with_attempts(conn: Connection, rows: list[TickRow]) -> list[TickRow]:
+    """Each retried tick with its earlier attempts (one query for the page of rows)."""
+    retried = [(r.key, r.scheduled_at) for r in rows if r.attempt > 1]
+    if not retried:
+        return rows
+    a = attempts
+    query = (
+        select(a).where(tuple_(a.c.job_key, a.c.scheduled_at).in_(retried)).order_by(a.c.attempt)
+    )
+    earlier: dict[tuple[int, datetime], list[dict[str, object]]] = {}
+    for row in conn.execute(query):
+        m = row._mapping
+        earlier.setdefault((m["job_key"], m["scheduled_at"]), []).append(
+            {
+                "attempt": m["attempt"],
+                "status": m["status"],
+                "instance": m["instance"],
+                "run_id": m["run_id"],
+                "started_at": iso(m["started_at"]),
+                "finished_at": iso(m["finished_at"]),
+                "duration_s": m["duration_s"],
+                "error": m["error"],
+                "told": m["told"],
+            }
+        )
+    return [
+        replace(r, attempts=tuple(earlier.get((r.key, r.scheduled_at), ()))) if r.attempt > 1 else r
+        for r in rows
+    ]
 
 
 def upsert(conn: Connection, table: Table) -> Any:
@@ -326,7 +398,7 @@ def history(conn: Connection, wanted: TickFilter) -> list[TickRow]:
     query = query.order_by(desc(ticks.c.scheduled_at), ticks.c.job_key)
     if wanted.limit is not None:
         query = query.limit(wanted.limit)
-    return [_row(r) for r in conn.execute(query)]
+    return _with_attempts(conn, [_row(r) for r in conn.execute(query)])
 
 
 def latest(
@@ -514,7 +586,15 @@ def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> in
         if batch_end is not None
         else ticks.c.scheduled_at < older_than
     )
-    removed = conn.execute(delete(ticks).where(window, ticks.c.status != Status.RUNNING)).rowcount
+    pending = (Status.RUNNING, Status.RETRYING)
+    removed = conn.execute(delete(ticks).where(window, ticks.c.status.not_in(pending))).rowcount
+    done = ~tuple_(attempts.c.job_key, attempts.c.scheduled_at).in_(
+        select(ticks.c.job_key, ticks.c.scheduled_at).where(ticks.c.status.in_(pending))
+    )
+    old = (
+        attempts.c.scheduled_at <= batch_end if batch_end else attempts.c.scheduled_at < older_than
+    )
+    conn.execute(delete(attempts).where(old, done))
     conn.execute(
         delete(notices).where(notices.c.done_at.is_not(None), notices.c.done_at < older_than)
     )

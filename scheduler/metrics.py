@@ -132,7 +132,8 @@ class Metrics(events.Observer):
             self.running.labels(job=job).set(0)
 
     def run_started(self, event: events.RunStarted) -> None:
-        self.lateness.labels(job=event.job).observe(max(0.0, event.lateness_s))
+        if event.attempt == 1 and not event.caught_up:  # late by design: not lateness
+            self.lateness.labels(job=event.job).observe(max(0.0, event.lateness_s))
         self.consecutive_skips.labels(job=event.job).set(0)
         self.running.labels(job=event.job).inc()
 

@@ -35,8 +35,8 @@ class Pings(events.Observer):
             self._send(event.ping_url.rstrip("/") + "/start", b"")
 
     def run_finished(self, event: events.RunFinished) -> None:
-        if not event.ping_url or not event.recorded:
-            return
+        if not event.ping_url or not event.recorded or event.status == Status.RETRYING:
+            return  # a failed attempt with another to come says nothing yet
         base = event.ping_url.rstrip("/")
         if event.status == Status.SUCCEEDED:
             self._send(base, b"")

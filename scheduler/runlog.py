@@ -91,6 +91,10 @@ class _Lines(events.Observer):
         note = "" if event.recorded else " (not recorded: the run had lost its lock)"
         if event.told:
             note += f" (told: {event.told})"
+        if event.retry_in_s is not None:
+            note += f" (attempt {event.attempt}; the next is due in {event.retry_in_s:g} s)"
+        elif event.attempt > 1:
+            note += f" (attempt {event.attempt})"
         self.add(
             level,
             "run %s: %s tick %s run_id %d in %.3f s%s%s",
@@ -114,6 +118,7 @@ class _Lines(events.Observer):
                 "recorded",
                 "lock_lost",
                 "told",
+                "attempt",
             ),
         )
 

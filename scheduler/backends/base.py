@@ -26,6 +26,7 @@ class Intent(StrEnum):
     RUN = "run"  # claim the tick and run it if the job's lock is free
     SKIP = "skip"  # claim the tick as skipped: this replica is still running the job
     MANUAL = "manual"  # `scheduler trigger`: lock first, then a row for "now"
+    CATCH_UP = "catch_up"  # a tick missed while the fleet was down (`catch_up: all`): lock first
 
 
 class Outcome(StrEnum):
@@ -62,6 +63,14 @@ class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at on
     alert: bool = False  # this skip made the streak reach its threshold
     crashed: int = 0  # stale `running` rows this claim marked crashed
     notices: tuple[int, ...] = ()  # outbox notices this claim raised (see `scheduler.notices`)
+    attempt: int = 1  # a retry (job `retries`): 2 for the first retry, and so on
+
+
+class Retries(NamedTuple):
+    """What a look for due retries took, and when the next one of these jobs is due."""
+
+    started: list[ClaimResult]
+    next_in: float | None  # seconds from now (at most 0: due but its lock is held)
 
 
 class FinishRequest(NamedTuple):  # a tuple: a burst's finishes make hundreds of these
@@ -75,6 +84,7 @@ class FinishRequest(NamedTuple):  # a tuple: a burst's finishes make hundreds of
     told: str | None = None  # what the run was told while it ran (see statuses.Told)
     duration_s: float | None = None  # the run's own duration, measured here
     next_due: datetime | None = None  # the job's next tick: a run ended by then kept up
+    retry_in_s: float | None = None  # status `retrying`: the next attempt is due this much later
 
 
 class FinishResult(NamedTuple):
@@ -142,6 +152,14 @@ class LockStore(Protocol):
 
     def abort(self) -> None:
         """From any thread: make a call hanging on a dead server fail now."""
+
+    def claim_retries(
+        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+    ) -> Retries:
+        """Start due retries of these jobs, lock first, at most `capacity`. SessionLost."""
+
+    def retry_due_in(self) -> float | None:
+        """Seconds to the fleet's next retry, as the last heartbeat saw it (None: none)."""
 
     def requests_pending(self) -> bool:
         """Whether a run-now request may be waiting (cheap: no round trip on PostgreSQL)."""

@@ -25,6 +25,7 @@ from scheduler.backends.base import (
     ClaimResult,
     FinishRequest,
     FinishResult,
+    Retries,
     Unavailable,
 )
 from scheduler.backends.embedded_steps import Steps
@@ -126,6 +127,37 @@ class EmbeddedBackend:
             "SELECT EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL)"
         ).fetchone()
         return bool(found and found[0])
+
+    def retry_due_in(self) -> float | None:
+        """A look at the local file for the next retry of a job that is not paused."""
+        if self._conn is None:
+            return None
+        driver = self._conn.connection.driver_connection
+        found = driver.execute(  # type: ignore[union-attr]
+            "SELECT min(retry_at) FROM scheduler_ticks t WHERE status = 'retrying'"
+            " AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)"
+        ).fetchone()
+        if not found or found[0] is None:
+            return None
+        due = ledger.UTCDateTime().process_result_value(
+            datetime.fromisoformat(str(found[0])), self.engine.dialect
+        )
+        assert due is not None
+        return (due - self.clock()).total_seconds()
+
+    def claim_retries(
+        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+    ) -> Retries:
+        assert self._conn is not None, "not connected"
+        conn = self._conn
+        steps = Steps(conn, self.locks, instance, self.clock())
+        try:
+            with conn.begin():
+                return steps.claim_retries(keys, capacity, crashed)
+        except BaseException:
+            for key in steps.taken:
+                self.locks.unlock(key)
+            raise
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"

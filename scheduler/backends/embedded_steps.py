@@ -17,7 +17,14 @@ from sqlalchemy import Connection, select, update
 from sqlalchemy.dialects.sqlite import insert
 
 from scheduler import ledger
-from scheduler.backends.base import ClaimRequest, ClaimResult, FinishRequest, Intent, Outcome
+from scheduler.backends.base import (
+    ClaimRequest,
+    ClaimResult,
+    FinishRequest,
+    Intent,
+    Outcome,
+    Retries,
+)
 from scheduler.backends.filelocks import FileLocks
 from scheduler.statuses import CRASHED_LOST_LOCK, Status
 
@@ -64,6 +71,8 @@ class Steps:
                 fate = Status.RUNNING
             elif self.now - r.scheduled_at > timedelta(seconds=r.grace_s):
                 fate = Status.MISSED
+            elif r.intent is Intent.CATCH_UP:
+                fate = Status.RUNNING  # its lock is taken first (lock_manual)
             elif self._has_row(r.key, r.scheduled_at):
                 fate = Outcome.LOST
             elif room > 0:
@@ -76,7 +85,10 @@ class Steps:
     def lock_manual(self, ticks: list[Tick]) -> list[Tick]:
         out = []
         for tick in ticks:
-            if tick.request.intent is Intent.MANUAL:
+            intent = tick.request.intent
+            if intent is Intent.MANUAL or (
+                intent is Intent.CATCH_UP and tick.fate is Status.RUNNING
+            ):
                 if self.locks.try_lock(tick.key):
                     self.taken.append(tick.key)
                 else:
@@ -101,11 +113,12 @@ class Steps:
                     run_id=run_id,
                     started_at=started,
                     manual=r.intent is Intent.MANUAL,
+                    caught_up=r.intent is Intent.CATCH_UP and run_id is not None,
                 )
                 if self.conn.execute(statement.on_conflict_do_nothing()).rowcount:
                     tick = replace(tick, run_id=run_id, started_at=started)
                 else:
-                    if r.intent is Intent.MANUAL:
+                    if r.key in self.taken and r.intent in (Intent.MANUAL, Intent.CATCH_UP):
                         self.locks.unlock(r.key)
                         self.taken.remove(r.key)
                     tick = replace(tick, fate=Outcome.LOST)
@@ -232,6 +245,9 @@ class Steps:
                     error=r.error,
                     told=r.told,
                     duration_s=r.duration_s,
+                    retry_at=None
+                    if r.retry_in_s is None
+                    else self.now + timedelta(seconds=r.retry_in_s),
                 )
             ).rowcount
             if done == 1:
@@ -289,6 +305,89 @@ class Steps:
             shown = failures if failed else row.consecutive_failures
             out[r.key] = (shown, fail_alert, recovered, skips_recovered, notices)
         return out
+
+    # -- scheduler_claim_retries ---------------------------------------------------------
+
+    def claim_retries(self, keys: Sequence[int], capacity: int, crashed: str) -> Retries:
+        """Due retries of these jobs, lock first; one attempt per job (as in postgres.sql)."""
+        t = ledger.ticks
+        waiting = self._waiting_retries(keys)
+        started: list[ClaimResult] = []
+        for row in waiting:
+            if len(started) >= capacity or row.retry_at > self.now:
+                break
+            if any(r.key == row.job_key for r in started) or not self.locks.try_lock(row.job_key):
+                continue
+            self.taken.append(row.job_key)
+            self.conn.execute(
+                insert(ledger.attempts)
+                .values(
+                    job_key=row.job_key,
+                    scheduled_at=row.scheduled_at,
+                    attempt=row.attempt,
+                    instance=row.instance,
+                    run_id=row.run_id,
+                    status=Status.FAILED,
+                    started_at=row.started_at,
+                    finished_at=row.finished_at,
+                    duration_s=row.duration_s,
+                    error=row.error,
+                    told=row.told,
+                )
+                .on_conflict_do_nothing()
+            )
+            run_id = self._next_run_id()
+            self.conn.execute(
+                update(t)
+                .where(t.c.job_key == row.job_key, t.c.scheduled_at == row.scheduled_at)
+                .values(
+                    status=Status.RUNNING,
+                    attempt=row.attempt + 1,
+                    instance=self.instance,
+                    run_id=run_id,
+                    started_at=self.now,
+                    finished_at=None,
+                    duration_s=None,
+                    error=None,
+                    told=None,
+                    retry_at=None,
+                    holder=None,
+                )
+            )
+            stale = self.conn.execute(
+                update(t)
+                .where(
+                    t.c.job_key == row.job_key,
+                    t.c.status == Status.RUNNING,
+                    t.c.scheduled_at != row.scheduled_at,
+                )
+                .values(status=Status.CRASHED, finished_at=self.now, error=crashed)
+            ).rowcount
+            started.append(
+                ClaimResult(
+                    row.job_key,
+                    row.scheduled_at,
+                    Outcome.RUN,
+                    run_id,
+                    self.now,
+                    crashed=stale,
+                    attempt=row.attempt + 1,
+                )
+            )
+        taken = {r.key for r in started}
+        later = [r.retry_at for r in waiting if r.job_key not in taken]
+        next_in = (min(later) - self.now).total_seconds() if later else None
+        return Retries(started, next_in)
+
+    def _waiting_retries(self, keys: Sequence[int]) -> list[Any]:
+        t = ledger.ticks
+        paused = self._paused(set(keys))
+        query = (
+            select(t)
+            .where(t.c.status == Status.RETRYING, t.c.job_key.in_(sorted(set(keys) - paused)))
+            .order_by(t.c.retry_at, t.c.scheduled_at, t.c.job_key)
+        )
+        return list(self.conn.execute(query))
 
     # -- shared -------------------------------------------------------------------------
 

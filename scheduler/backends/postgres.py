@@ -33,6 +33,7 @@ from scheduler.backends.base import (
     FinishResult,
     Intent,
     Outcome,
+    Retries,
     SessionLost,
     Unavailable,
 )
@@ -131,6 +132,7 @@ class PostgresBackend:
         self._conn: Connection | None = None
         self._fleet = (1, 0)  # live replicas and this one's rank, as of the last claim
         self._requests = False  # a run-now request may be waiting (notified, or seen)
+        self._retry_in: float | None = None  # the next retry, as the last heartbeat saw it
 
     def say(self, exc: BaseException) -> str:
         """A driver's error in one line, with no part of any password in it."""
@@ -386,6 +388,7 @@ class PostgresBackend:
             "unlocks": pg_bools([r.unlock for r in requests]),
             "thresholds": pg_numbers([r.fail_threshold for r in requests]),
             "next_dues": pg_times([r.next_due for r in requests]),
+            "retry_in": pg_numbers([r.retry_in_s for r in requests]),
         }
         with self._session() as conn:
             rows = named(conn.execute(QUERIES["finish"], params), FINISH_COLUMNS)
@@ -401,12 +404,39 @@ class PostgresBackend:
         ]  # fmt: skip
 
     def heartbeat(self) -> datetime:
-        """Also looks for run-now requests: one a notification missed is taken in time."""
+        """Also looks for run-now requests (one a notification missed is taken in time)
+        and for the next retry."""
         with self._session() as conn:
-            now, waiting = conn.execute(QUERIES["heartbeat"]).one()
+            now, waiting, retry_in = conn.execute(QUERIES["heartbeat"]).one()
         assert isinstance(now, datetime)
         self._requests = self._requests or bool(waiting)
+        self._retry_in = None if retry_in is None else float(retry_in)
         return now
+
+    def retry_due_in(self) -> float | None:
+        return self._retry_in
+
+    def claim_retries(
+        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+    ) -> Retries:
+        params = {
+            "ns": self.namespace,
+            "instance": instance,
+            "keys": pg_numbers(keys),
+            "capacity": capacity,
+            "crashed": crashed,
+        }
+        with self._session() as conn:
+            rows = conn.execute(QUERIES["claim_retries"], params).all()
+        started = [
+            ClaimResult(
+                key, tick, Outcome.RUN, run_id, started_at, crashed=stale or 0, attempt=attempt
+            )
+            for key, tick, run_id, started_at, attempt, stale, _ in rows
+            if key is not None
+        ]
+        next_in = rows[-1][-1] if rows else None
+        return Retries(started, None if next_in is None else float(next_in))
 
     def requests_pending(self) -> bool:
         return self._requests

@@ -78,6 +78,7 @@ $$;
 --   run, late  -> missed (past its grace by the database clock, the same for every replica)
 --   run        -> running, if it is this replica's share of a burst (or old enough to be
 --                 anyone's) and within p_capacity, this replica's free workers.
+--   catch_up   -> missed if past its grace (the job's catch_up_window), else running.
 -- Ticks not chosen are not answered: the caller reads them as lost, yielded or deferred
 -- from the claim's summary (see scheduler_claim).
 CREATE FUNCTION scheduler_choose(
@@ -110,23 +111,27 @@ BEGIN
                 WHEN q.intent = 'skip' THEN 'skipped'
                 WHEN q.intent = 'manual' THEN 'running'
                 WHEN q.late THEN 'missed'
-                ELSE 'running' END,
+                ELSE 'running' END,  -- catch_up: running (its lock is taken first, below)
            NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz
       FROM q
-     WHERE q.paused OR q.intent IN ('skip', 'manual') OR (q.intent = 'run' AND q.late)
+     WHERE q.paused OR q.intent IN ('skip', 'manual', 'catch_up') OR (q.intent = 'run' AND q.late)
         OR (q.key, q.tick) IN (SELECT runs.key, runs.tick FROM runs);
 END;
 $$;
 
 -- Step 2. A manual run (`scheduler trigger`) has a tick of its own, "now": only the lock
--- can stop it, so the lock comes before its row. Not got: `held`, and no row.
+-- can stop it, so the lock comes before its row. Not got: `held`, and no row. A tick
+-- caught up after downtime (`catch_up: all`) takes the lock first too: while an older
+-- one runs, a newer one waits (`held`) instead of being recorded skipped, so they run
+-- once each, oldest first, whichever replicas take them.
 CREATE FUNCTION scheduler_lock_manual(p_namespace integer, p_ticks scheduler_tick[])
 RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 DECLARE
     t scheduler_tick;
 BEGIN
     FOR t IN SELECT * FROM unnest(p_ticks) ORDER BY tick, key LOOP
-        IF t.intent = 'manual' AND NOT pg_try_advisory_lock(p_namespace, t.key) THEN
+        IF (t.intent = 'manual' OR (t.intent = 'catch_up' AND t.fate = 'running'))
+           AND NOT pg_try_advisory_lock(p_namespace, t.key) THEN
             t.fate := 'held';
             SELECT h.instance, h.since INTO t.holder, t.holder_since
               FROM scheduler_holder(t.key, '{}') h;
@@ -146,11 +151,12 @@ BEGIN
     RETURN QUERY
     WITH inserted AS (
         INSERT INTO scheduler_ticks AS r
-               (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual)
+               (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual,
+                caught_up)
         SELECT c.key, c.tick, c.name, c.fate, p_instance,
                CASE WHEN c.fate = 'running' THEN nextval('scheduler_run_id') END,
                CASE WHEN c.fate = 'running' THEN clock_timestamp() END,
-               c.intent = 'manual'
+               c.intent = 'manual', c.intent = 'catch_up' AND c.fate = 'running'
           FROM unnest(p_ticks) c
          WHERE c.fate <> 'held'
          ORDER BY c.tick, c.key
@@ -377,7 +383,7 @@ BEGIN
     v_ticks := ARRAY(SELECT c FROM scheduler_lock_manual(p_namespace, v_ticks) c);
     v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(p_instance, v_ticks) c);
     PERFORM pg_advisory_unlock(p_namespace, c.key)  -- a manual run that lost its row
-       FROM unnest(v_ticks) c WHERE c.intent = 'manual' AND c.fate = 'lost';
+       FROM unnest(v_ticks) c WHERE c.intent IN ('manual', 'catch_up') AND c.fate = 'lost';
     v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
     IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN
         v_ticks := ARRAY(SELECT c FROM scheduler_record_skips(v_ticks) c);
@@ -409,10 +415,79 @@ BEGIN
       LEFT JOIN streaks sk ON sk.key = c.key AND sk.tick = c.tick
       LEFT JOIN streaks ended ON ended.key = c.key AND ended.tick IS NULL AND c.fate = 'running'
       LEFT JOIN stale st ON st.key = c.key AND c.fate = 'running'
-     WHERE (c.fate <> 'lost' OR c.intent = 'manual') AND (c.fate <> 'paused' OR p_answer_paused)
+     WHERE (c.fate <> 'lost' OR c.intent IN ('manual', 'catch_up')) AND (c.fate <> 'paused' OR p_answer_paused)
     UNION ALL
     SELECT NULL, NULL, 'fleet', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
            v_live, v_rank, now(), v_last.tick, v_last.key;
+END;
+$$;
+
+-- Retries (job `retries`): a `retrying` tick whose next attempt is due is taken like a
+-- manual run, lock first. The replica that gets the job's lock copies the failed attempt
+-- to scheduler_attempts and starts the next one on the tick's own row (a new run_id); a
+-- lock held elsewhere leaves the tick waiting, which is no skip. SKIP LOCKED and the
+-- status check make each attempt one replica's. One attempt per job per call: advisory
+-- locks stack within a session, so a job's lock is never asked for twice. The last row
+-- (job_key NULL) says in how many seconds the next retry of these jobs is due.
+CREATE FUNCTION scheduler_claim_retries(
+    p_namespace integer, p_instance text, p_keys integer[], p_capacity integer,
+    p_crashed text
+) RETURNS TABLE (
+    job_key integer, scheduled_at timestamptz, run_id bigint, started_at timestamptz,
+    attempt integer, crashed integer, next_in double precision
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    r record;
+    v_taken integer[] := '{}';
+BEGIN
+    FOR r IN SELECT t.job_key, t.scheduled_at FROM scheduler_ticks t
+              WHERE t.status = 'retrying' AND t.retry_at <= now() AND t.job_key = ANY (p_keys)
+                AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)
+              ORDER BY t.scheduled_at, t.job_key
+                FOR UPDATE OF t SKIP LOCKED
+    LOOP
+        EXIT WHEN cardinality(v_taken) >= p_capacity;
+        CONTINUE WHEN r.job_key = ANY (v_taken)
+                   OR NOT pg_try_advisory_lock(p_namespace, r.job_key);
+        v_taken := v_taken || r.job_key;
+        INSERT INTO scheduler_attempts AS a
+               (job_key, scheduled_at, attempt, instance, run_id, status, started_at,
+                finished_at, duration_s, error, told)
+        SELECT t.job_key, t.scheduled_at, t.attempt, t.instance, t.run_id, 'failed',
+               t.started_at, t.finished_at, t.duration_s, t.error, t.told
+          FROM scheduler_ticks t
+         WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
+        ON CONFLICT DO NOTHING;
+        UPDATE scheduler_ticks t
+           SET status = 'running', attempt = t.attempt + 1, instance = p_instance,
+               run_id = nextval('scheduler_run_id'), started_at = clock_timestamp(),
+               finished_at = NULL, duration_s = NULL, error = NULL, told = NULL,
+               retry_at = NULL, holder = NULL
+         WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
+        RETURNING t.job_key, t.scheduled_at, t.run_id, t.started_at, t.attempt
+             INTO job_key, scheduled_at, run_id, started_at, attempt;
+        -- With the lock in hand, any other `running` row of the job is stale.
+        WITH marked AS (
+            UPDATE scheduler_ticks s
+               SET status = 'crashed', finished_at = clock_timestamp(),
+                   error = coalesce(s.error, p_crashed)
+             WHERE s.job_key = r.job_key AND s.status = 'running'
+               AND s.scheduled_at <> r.scheduled_at
+            RETURNING 1
+        )
+        SELECT count(*)::integer INTO crashed FROM marked;
+        next_in := NULL;
+        RETURN NEXT;
+    END LOOP;
+    job_key := NULL; scheduled_at := NULL; run_id := NULL; started_at := NULL;
+    attempt := NULL; crashed := NULL;
+    SELECT extract(epoch FROM min(t.retry_at) - now()) INTO next_in
+      FROM scheduler_ticks t
+     WHERE t.status = 'retrying' AND t.job_key = ANY (p_keys)
+       AND NOT (t.job_key = ANY (v_taken))
+       AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key);
+    RETURN NEXT;
 END;
 $$;
 
@@ -433,19 +508,21 @@ CREATE TYPE scheduler_done AS (
 -- Step 1. Record: a conditional update, in the common order. Only a row that is still
 -- `running` with this run_id is this run's: a stale run (its replica froze and lost the
 -- lock) finds its row already `crashed` and changes nothing. A finish sent again after a
--- lost answer finds its own final status there, and says so (`repeated`).
+-- lost answer finds its own final status there, and says so (`repeated`). A failed
+-- attempt with another to come is recorded `retrying`, due `p_retry_in` seconds from now.
 CREATE FUNCTION scheduler_record_finishes(
     p_keys integer[], p_ticks timestamptz[], p_run_ids bigint[], p_statuses text[],
     p_errors text[], p_told text[], p_durations double precision[],
-    p_thresholds integer[], p_next_dues timestamptz[]
+    p_thresholds integer[], p_next_dues timestamptz[], p_retry_in double precision[]
 ) RETURNS SETOF scheduler_done LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
     WITH f AS (
         SELECT * FROM unnest(p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_told,
-                             p_durations, p_thresholds, p_next_dues)
-                   AS f(key, tick, run_id, status, error, told, duration, threshold, next_due)
+                             p_durations, p_thresholds, p_next_dues, p_retry_in)
+                   AS f(key, tick, run_id, status, error, told, duration, threshold, next_due,
+                        retry_in)
     ), mine AS (
         -- Running rows are few (a partial index holds them): never a scan of the ledger.
         SELECT r.job_key, r.scheduled_at
@@ -456,7 +533,8 @@ BEGIN
     ), done AS (
         UPDATE scheduler_ticks r
            SET status = f.status, finished_at = clock_timestamp(), error = f.error,
-               told = f.told, duration_s = f.duration
+               told = f.told, duration_s = f.duration,
+               retry_at = clock_timestamp() + make_interval(secs => f.retry_in)
           FROM mine JOIN f ON f.key = mine.job_key AND f.tick = mine.scheduled_at
          WHERE r.job_key = mine.job_key AND r.scheduled_at = mine.scheduled_at
            AND r.status = 'running'
@@ -576,7 +654,8 @@ CREATE FUNCTION scheduler_finish(
     p_durations  double precision[],
     p_unlocks    boolean[],
     p_thresholds integer[],
-    p_next_dues  timestamptz[]
+    p_next_dues  timestamptz[],
+    p_retry_in   double precision[] DEFAULT NULL  -- NULL: callers from before retries
 ) RETURNS TABLE (
     job_key         integer,
     scheduled_at    timestamptz,
@@ -601,7 +680,9 @@ DECLARE
 BEGIN
     v_done := ARRAY(SELECT d FROM scheduler_record_finishes(
         p_keys, p_ticks, p_run_ids, p_statuses, p_errors, p_told, p_durations,
-        p_thresholds, p_next_dues) d);
+        p_thresholds, p_next_dues,
+        coalesce(p_retry_in, array_fill(NULL::double precision, ARRAY[cardinality(p_keys)])))
+        d);
     SELECT array_agg(s.key), array_agg(s.tick), array_agg(s.failures), array_agg(s.alert),
            array_agg(s.recovered), array_agg(s.skips_recovered), array_agg(s.notices::text)
       INTO v_keys, v_ticks, v_failures, v_alerts, v_recovered, v_skips_recovered, v_notices

@@ -14,15 +14,24 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
     CAST(:ticks AS timestamptz[]), CAST(:run_ids AS bigint[]), CAST(:statuses AS text[]),
     CAST(:errors AS text[]), CAST(:told AS text[]), CAST(:durations AS double precision[]),
     CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]),
-    CAST(:next_dues AS timestamptz[]))
+    CAST(:next_dues AS timestamptz[]), CAST(:retry_in AS double precision[]))
+
+-- name: claim_retries
+-- Due retries of these jobs taken, lock first (scheduler_claim_retries).
+SELECT * FROM scheduler_claim_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,
+    :crashed)
 
 -- name: release
 -- Locks a failed claim may have taken: advisory locks outlive a rollback.
 SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
 
 -- name: heartbeat
--- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py).
-SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL)
+-- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py)
+-- and for the next retry of a job that is not paused (seconds from now).
+SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL),
+       (SELECT extract(epoch FROM min(t.retry_at) - now()) FROM scheduler_ticks t
+         WHERE t.status = 'retrying'
+           AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key))
 
 -- name: held_locks
 -- Job locks some session of this database holds now (scheduler_locks in postgres.sql).

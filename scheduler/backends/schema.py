@@ -74,6 +74,11 @@ def _v3_notices_and_told(conn: Connection) -> None:
     for table, column, kind in columns:
         if column not in {c["name"] for c in found.get_columns(table)}:
             conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    _allow_statuses(conn, "'paused'")
+
+
+def _allow_statuses(conn: Connection, newest: str) -> None:
+    """The status CHECK constraint of today (`newest`: the last status it gained)."""
     if conn.dialect.name == "postgresql":
         conn.exec_driver_sql(
             "ALTER TABLE scheduler_ticks DROP CONSTRAINT scheduler_ticks_status,"
@@ -86,7 +91,7 @@ def _v3_notices_and_told(conn: Connection) -> None:
         made = conn.exec_driver_sql(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'scheduler_ticks'"
         ).scalar_one()
-        if "'paused'" not in made:
+        if newest not in made:
             _rebuild_sqlite_ticks(conn)
 
 
@@ -97,12 +102,14 @@ def _rebuild_sqlite_ticks(conn: Connection) -> None:
     conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_running")
     fresh = MetaData()
     ledger.ticks.to_metadata(fresh).create(conn)
-    names = ", ".join(column.name for column in ledger.ticks.columns)
+    old = {c["name"] for c in inspect(conn).get_columns("scheduler_ticks_old")}
+    names = ", ".join(column.name for column in ledger.ticks.columns if column.name in old)
     conn.exec_driver_sql(
         f"INSERT INTO scheduler_ticks ({names}) SELECT {names} FROM scheduler_ticks_old"
     )
     conn.exec_driver_sql("DROP TABLE scheduler_ticks_old")
     conn.execute(ledger.RUNNING_INDEX)
+    conn.execute(ledger.RETRYING_INDEX)
 
 
 def _v4_pauses(conn: Connection) -> None:
@@ -132,6 +139,23 @@ def _v5_drift(conn: Connection) -> None:
             conn.exec_driver_sql(f"ALTER TABLE scheduler_jobs ADD COLUMN {column} {kind}")
 
 
+def _v6_retries_and_catch_up(conn: Connection) -> None:
+    """A tick's attempts (job `retries`), the `retrying` status, caught-up ticks."""
+    ledger.attempts.create(conn, checkfirst=True)
+    timestamp = "TIMESTAMP WITH TIME ZONE" if conn.dialect.name == "postgresql" else "DATETIME"
+    columns = (
+        ("attempt", "INTEGER NOT NULL DEFAULT 1"),
+        ("retry_at", timestamp),
+        ("caught_up", "BOOLEAN NOT NULL DEFAULT FALSE"),
+    )
+    found = {c["name"] for c in inspect(conn).get_columns("scheduler_ticks")}
+    for column, kind in columns:
+        if column not in found:
+            conn.exec_driver_sql(f"ALTER TABLE scheduler_ticks ADD COLUMN {column} {kind}")
+    _allow_statuses(conn, "'retrying'")
+    conn.execute(ledger.RETRYING_INDEX)
+
+
 def _v2_lean_claims(conn: Connection) -> None:
     """v2 changed only the SQL functions (claims leave other replicas' ticks out)."""
 
@@ -144,6 +168,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (3, _v3_notices_and_told),
     (4, _v4_pauses),
     (5, _v5_drift),
+    (6, _v6_retries_and_catch_up),
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 

@@ -37,7 +37,17 @@ the names given here (PostgreSQL: `backends/postgres.sql`; one host:
 4. Finish (`finishes.py`; the backends' `scheduler_finish`): the run's row
    is updated only if it is still `running` with this run_id (a stale run
    never overwrites what replaced it); the failure streak and the skip
-   overrun are settled; then the lock is released. Notices (alerts,
+   overrun are settled; then the lock is released. A failed attempt of a
+   job with `retries` left is recorded `retrying`, due after its delay;
+   the failure streak counts only a tick's final attempt.
+   Retries (`scheduler_claim_retries`): any replica with a free worker takes
+   a due retry like a manual run, lock first (held elsewhere: it waits, no
+   skip); the row lock and its status make each attempt one replica's. The
+   finishing replica knows when it is due; the others learn it from the
+   heartbeat, so a retry outlives the replica that scheduled it.
+   Catch-up (`catch_up: all`, driven by `scheduler.catch_up`): ticks missed
+   while the fleet was down are claimed one at a time, oldest first, lock
+   first, with the job's catch_up_window as their grace. Notices (alerts,
    recoveries) are written in the same transaction as the state change they
    announce (`scheduler.notices`).
 5. The lock session (`session.py`): the server ends it if this replica goes
@@ -68,7 +78,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 from scheduler import events
-from scheduler.backends.base import LockStore, Outcome, SessionLost
+from scheduler.backends.base import ClaimResult, Intent, LockStore, Outcome, Retries, SessionLost
 from scheduler.catalog import CatalogJob
 from scheduler.gate.claims import Claims, Won, claim_request
 from scheduler.gate.finishes import Finishes
@@ -77,11 +87,13 @@ from scheduler.gate.session import Backoff, LockSession
 from scheduler.gate.ticks import Running, TickQueue
 from scheduler.ledger import RunRequest
 from scheduler.runner import execute
-from scheduler.schedules import format_duration
-from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
+from scheduler.schedules import format_duration, tick_after
+from scheduler.statuses import CRASHED_AT_SHUTDOWN, CRASHED_LOST_LOCK, TIMED_OUT, Status
 from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
+
+RETRY_HELD = 2.0  # seconds before a due retry whose lock was held elsewhere is tried again
 
 Clock = Callable[[], datetime]
 Monotonic = Callable[[], float]
@@ -141,10 +153,12 @@ class Gate:
             monotonic=monotonic,
             emit=self._emit,
             wake=self._wake,
+            retry_scheduled=self._retry_in,
         )
+        self._retry_at: float | None = None  # monotonic: when to look for due retries
         self._mutex = threading.Lock()  # the runs and the manual requests
         self._runs: dict[int, Run] = {}  # job key -> run executing here
-        self._manual: list[tuple[CatalogJob, datetime, Future[ManualResult]]] = []
+        self._manual: list[tuple[CatalogJob, datetime, Future[ManualResult], Intent]] = []
         self._stopping_runs = threading.Event()  # one per daemon: every run shares it
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
@@ -186,6 +200,22 @@ class Gate:
             with contextlib.suppress(TimeoutError):
                 result.result(timeout=left)
         return result.result()
+
+    def catch_up(self, job: CatalogJob, tick: datetime) -> ManualResult:
+        """Claim one missed tick (`catch_up: all`), lock first; wait for its run to end.
+
+        `held`: an older tick of the job still runs (here or elsewhere); the
+        caller tries again. `lost`: another replica took it. `missed`: past
+        the job's catch_up_window.
+        """
+        result: Future[ManualResult] = Future()
+        with self._mutex:
+            self._manual.append((job, tick, result, Intent.CATCH_UP))
+        self._wake()
+        while not self._stopped.is_set():
+            with contextlib.suppress(TimeoutError):
+                return result.result(timeout=1.0)
+        return ManualResult(Outcome.LOST, error="stopping")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gate", daemon=True)
@@ -291,6 +321,8 @@ class Gate:
         due = self.queue.next_due(self._free_slots())
         if due is not None:
             wait = min(wait, max(0.0, due - now))
+        if self._retry_at is not None and self._free_slots() > 0:
+            wait = min(wait, max(0.0, self._retry_at - now))
         return wait
 
     def step(self) -> None:
@@ -311,8 +343,10 @@ class Gate:
         self._guard(self._take_requests)
         self._guard(self._claim_manual)
         self._guard(lambda: self.claims.queued(self._free_slots(), self._running))
+        self._guard(self._claim_retries)
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
+            self._retry_in(self.backend.retry_due_in())
 
     def _server_said_something(self) -> bool:
         """Between our calls the server only speaks to end the session (or to notify)."""
@@ -365,24 +399,76 @@ class Gate:
     def _queue_manual(self, job: CatalogJob, result: Future[ManualResult]) -> None:
         """A manual tick of its own: "now", to the millisecond (the claim step takes it)."""
         now = self.clock()
+        tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
         with self._mutex:
-            self._manual.append(
-                (job, now.replace(microsecond=now.microsecond // 1000 * 1000), result)
-            )
+            self._manual.append((job, tick, result, Intent.MANUAL))
 
     def _claim_manual(self) -> None:
         with self._mutex:
             manual, self._manual = self._manual, []
-        for job, tick, result in manual:
+        for job, tick, result, intent in manual:
             if job.key in self._runs:
                 result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
                 continue
             try:
-                self.claims.manual(job, tick, result)
+                self.claims.manual(job, tick, result, intent)
             except SessionLost:
                 with self._mutex:
-                    self._manual.append((job, tick, result))
+                    self._manual.append((job, tick, result, intent))
                 raise
+
+    # -- retries ---------------------------------------------------------------------
+
+    def _retry_in(self, seconds: float | None) -> None:
+        """A retry is due in `seconds` (None: none known): look for it then."""
+        if seconds is None:
+            return
+        at = self.monotonic() + max(0.0, seconds)
+        with self._mutex:
+            if self._retry_at is None or at < self._retry_at:
+                self._retry_at = at
+
+    def _claim_retries(self) -> None:
+        """Start due retries of jobs this replica has and is not running, lock first."""
+        desk, free = self.desk, self._free_slots()
+        due = self._retry_at
+        if desk is None or due is None or due > self.monotonic() or free <= 0:
+            return
+        if self._stopping_runs.is_set():
+            return
+        known = desk.keys()
+        with self._mutex:
+            self._retry_at = None
+            keys = [key for key in known if key not in self._runs]
+        found = self.session.round_trip(
+            lambda: self.backend.claim_retries(self.instance, keys, free, CRASHED_LOST_LOCK)
+        )
+        assert isinstance(found, Retries)
+        if found.next_in is not None:
+            self._retry_in(found.next_in if found.next_in > 0 else RETRY_HELD)
+        won = []
+        for result in found.started:
+            job = desk.job(result.key)
+            if job is None:  # reloaded away between the look and now: the sweep ends it
+                continue
+            self._say_retry(job, result)
+            won.append((job, result))
+        self._start_runs(won, None)
+
+    def _say_retry(self, job: CatalogJob, result: ClaimResult) -> None:
+        late = ""
+        if job.trigger is not None:
+            after = tick_after(job.trigger, result.scheduled_at)
+            if after is not None and after <= self.clock():
+                late = " (after the job's next tick, which is not held up by it)"
+        log.info(
+            "retrying %s tick %s: attempt %d of %d%s",
+            job.name,
+            result.scheduled_at.isoformat(),
+            result.attempt,
+            job.retries + 1,
+            late,
+        )
 
     # -- runs ------------------------------------------------------------------------
 
@@ -396,7 +482,9 @@ class Gate:
             return Running.NOT
         return Running.LOST if run.generation.lock_lost.is_set() else Running.HERE
 
-    def _start_runs(self, won: Won, manual: Future[ManualResult] | None) -> None:
+    def _start_runs(
+        self, won: Won, manual: Future[ManualResult] | None, caught_up: bool = False
+    ) -> None:
         """Hand the runs to workers; each worker reports its own start.
 
         Everything a run needs is prepared first and the hand-over is one
@@ -416,6 +504,7 @@ class Gate:
                 started=now,
                 clock=self.clock,
                 manual=manual,
+                caught_up=caught_up,
             )
             for job, result in won
         ]

@@ -37,12 +37,14 @@ Won = list[tuple[CatalogJob, ClaimResult]]
 
 
 def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
+    """A caught-up tick's grace is the job's catch_up_window: it is late by design."""
+    grace = job.catch_up_window if intent is Intent.CATCH_UP else job.misfire_grace
     return ClaimRequest(
         key=job.key,
         name=job.name,
         scheduled_at=tick,
         intent=intent,
-        grace_s=job.misfire_grace.total_seconds(),
+        grace_s=grace.total_seconds(),
         skip_threshold=job.skip_threshold,
     )
 
@@ -56,7 +58,7 @@ class Claims:
         *,
         instance: str,
         emit: Callable[[events.Event], None],
-        start: Callable[[Won, Future[ManualResult] | None], None],
+        start: Callable[[Won, Future[ManualResult] | None, bool], None],
     ) -> None:
         self.backend = backend
         self.session = session
@@ -70,17 +72,23 @@ class Claims:
         for batch in self.queue.take(free, running):
             self._batch(batch, free)
 
-    def manual(self, job: CatalogJob, tick: datetime, result: Future[ManualResult]) -> None:
-        """`scheduler trigger`: its own tick, "now"; only the job's lock can stop it."""
+    def manual(
+        self,
+        job: CatalogJob,
+        tick: datetime,
+        result: Future[ManualResult],
+        intent: Intent = Intent.MANUAL,
+    ) -> None:
+        """`scheduler trigger` (its own tick, "now"), or a caught-up tick: lock first."""
         try:
-            (claimed,) = self._claim([claim_request(job, tick, Intent.MANUAL)], capacity=1)
+            (claimed,) = self._claim([claim_request(job, tick, intent)], capacity=1)
         except SessionLost:
             raise
         except Exception as exc:
             result.set_result(ManualResult(Outcome.LOST, error=str(exc)))
             return
         if claimed.outcome is Outcome.RUN:
-            self.start([(job, claimed)], result)
+            self.start([(job, claimed)], result, intent is Intent.CATCH_UP)
         else:
             result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
             self._report(job, claimed)
@@ -97,7 +105,7 @@ class Claims:
             self.queue.put_back(batch.entries, failed=True)
             return
         jobs = {job.key: job for job, _, _ in batch.requests}
-        self.start([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], None)
+        self.start([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], None, False)
         deferred, yielded = [], []
         for result in results:
             job = jobs[result.key]

@@ -37,6 +37,7 @@ class Finishes:
         monotonic: Callable[[], float],
         emit: Callable[[events.Event], None],
         wake: Callable[[], None],
+        retry_scheduled: Callable[[float], None] = lambda _: None,
     ) -> None:
         self.backend = backend
         self.session = session
@@ -44,6 +45,7 @@ class Finishes:
         self.monotonic = monotonic
         self.emit = emit
         self.wake = wake
+        self.retry_scheduled = retry_scheduled  # a failed attempt's next is due in n seconds
         self.paused_until = 0.0  # after a batch some of whose rows could not be recorded
         self._mutex = threading.Lock()
         self._waiting: list[Run] = []
@@ -128,18 +130,30 @@ class Finishes:
         assert ending is not None
         job = run.job
         error = storable(ending.error) if placeholder is None else placeholder
+        retry_in = self.retry_in(run)
         return FinishRequest(
             key=job.key,
             scheduled_at=run.ctx.scheduled_at,
             run_id=run.ctx.run_id,
-            status=ending.status,
+            status=Status.RETRYING if retry_in is not None else ending.status,
             error=None if ending.error is None else error,
             unlock=run.generation is self.session.generation,
             fail_threshold=job.fail_threshold,
             told=ending.told,
             duration_s=round(ending.duration_s, 6),
             next_due=self._due_after(run),
+            retry_in_s=retry_in,
         )
+
+    @staticmethod
+    def retry_in(run: Run) -> float | None:
+        """Seconds until this failed run's next attempt; None: final (no retry left, not a
+        failure, or a manual run: the person who asked sees its outcome)."""
+        ending = run.ended
+        if ending is None or ending.status is not Status.FAILED or run.asked:
+            return None
+        delay = run.job.retry_in(run.ctx.attempt)
+        return None if delay is None else delay.total_seconds()
 
     def _due_after(self, run: Run) -> datetime | None:
         job, tick = run.job, run.ctx.scheduled_at
@@ -155,6 +169,7 @@ class Finishes:
     def _report(self, run: Run, outcome: FinishResult) -> None:
         ending = run.ended
         assert ending is not None
+        retry_in = self.retry_in(run)
         self.emit(
             events.RunFinished(
                 job=run.job.name,
@@ -162,7 +177,7 @@ class Finishes:
                 scheduled_at=run.ctx.scheduled_at,
                 run_id=run.ctx.run_id,
                 instance=self.instance,
-                status=ending.status,
+                status=Status.RETRYING if retry_in is not None else ending.status,
                 error=ending.error,
                 duration_s=ending.duration_s,
                 recorded=outcome.recorded,
@@ -175,8 +190,12 @@ class Finishes:
                 skips_recovered=outcome.skips_recovered,
                 notices=outcome.notices,
                 ping_url=run.job.ping_url,
+                attempt=run.ctx.attempt,
+                retry_in_s=retry_in,
             )
         )
+        if retry_in is not None and outcome.recorded:
+            self.retry_scheduled(retry_in)
         if run.manual is not None:
             run.manual.set_result(
                 ManualResult(Outcome.RUN, ending.status, ending.error, run.ctx.run_id)

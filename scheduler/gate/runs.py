@@ -52,8 +52,14 @@ class Run:
     ctx: RunContext
     generation: Generation  # of the session that took the lock; the lock is gone with it
     started: float  # monotonic
-    manual: Future[ManualResult] | None = None
+    manual: Future[ManualResult] | None = None  # who waits for its outcome (trigger, catch-up)
     ended: Ending | None = None  # set when the job has returned (or was given up)
+    caught_up: bool = False  # a tick missed while the fleet was down (`catch_up: all`)
+
+    @property
+    def asked(self) -> bool:
+        """Asked for by a person (`scheduler trigger`): no retries, they see the outcome."""
+        return self.manual is not None and not self.caught_up
 
 
 def prepare(
@@ -66,6 +72,7 @@ def prepare(
     started: float,
     clock: Callable[[], datetime],
     manual: Future[ManualResult] | None,
+    caught_up: bool = False,
 ) -> tuple[Run, events.RunStarted]:
     """A run the claim just won, and the event that announces its start."""
     assert result.run_id is not None
@@ -75,6 +82,7 @@ def prepare(
         scheduled_at=result.scheduled_at,
         instance=instance,
         run_id=result.run_id,
+        attempt=result.attempt,
         lock_lost=generation.lock_lost,
         stopping=stopping,
         log=logging.LoggerAdapter(
@@ -94,10 +102,19 @@ def prepare(
         run_id=result.run_id,
         instance=instance,
         lateness_s=((result.started_at or clock()) - result.scheduled_at).total_seconds(),
-        manual=manual is not None,
+        manual=manual is not None and not caught_up,
         crashed=result.crashed,
         skips_ended=result.consecutive_skips or 0,
         ping_url=job.ping_url,
+        attempt=result.attempt,
+        caught_up=caught_up,
     )
-    run = Run(job=job, ctx=ctx, generation=generation, started=started, manual=manual)
+    run = Run(
+        job=job,
+        ctx=ctx,
+        generation=generation,
+        started=started,
+        manual=manual,
+        caught_up=caught_up,
+    )
     return run, announced

@@ -130,13 +130,14 @@ def test_text_shows_times_to_the_millisecond_in_one_zone(run, ledger_rows):
     code, out, _ = run("--limit", "3", "--tz", "Asia/Kolkata")
     assert code == 0
     header, *lines = out.splitlines()
-    assert header.split()[:6] == [
+    assert header.split()[:7] == [
         "SCHEDULED_AT",
         "JOB",
         "STATUS",
+        "ATTEMPT",
         "INSTANCE",
         "STARTED_AT",
         "DURATION",
     ]
-    assert "HOLDER" in header and "MANUAL" in header
+    assert "HOLDER" in header and "NOTE" in header
     assert len(lines) == 3 and all(".000+05:30" in line.split()[0] for line in lines)
