@@ -1,0 +1,178 @@
+"""Retries and catch-up: the delays, the plan, the config errors, and the gate's flow over
+the embedded backend (README: Run policies)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from scheduler import events
+from scheduler.catalog import CatalogJob
+from scheduler.catch_up import plan
+from scheduler.config import JobConfig
+from scheduler.gate import Gate
+from scheduler.registry import JobSpec
+from scheduler.statuses import Status
+from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
+
+
+def job(**schedule: Any) -> CatalogJob:
+    spec = JobSpec(key=5, name="j5", func=lambda: None, takes_context=False,
+                   is_async=False, source="t")  # fmt: skip
+    retries = schedule.pop("retries", 0)
+    return CatalogJob(spec=spec, schedule=JobConfig(**schedule), timezone="UTC",
+                      skip_threshold=3, fail_threshold=3, misfire_grace=timedelta(seconds=30),
+                      retries=retries, retry_delay=timedelta(seconds=10),
+                      retry_delay_max=timedelta(seconds=60))  # fmt: skip
+
+
+def test_retry_delays_double_up_to_the_most_and_stop_after_the_last_retry():
+    j = job(interval="1h", retries=5)
+    delays = [j.retry_in(n) for n in range(1, 7)]
+    assert [d.total_seconds() if d else None for d in delays] == [10, 20, 40, 60, 60, None]
+
+
+def test_settings_give_every_job_its_retry_policy_and_a_job_overrides_it(run, tmp_path):
+    from scheduler.config import load_config
+
+    (tmp_path / "config.yaml").write_text(
+        "scheduler:\n  retries: 2\n  retry_delay: 5\n  retry_delay_max: 30\n"
+        "jobs:\n  a:\n    interval: 1h\n  b:\n    interval: 1h\n    retries: 0\n"
+        "  c:\n    interval: 1h\n    retry_delay: 1m\n"
+    )
+    config = load_config(str(tmp_path / "config.yaml"))
+    policy = {name: config.settings.retry_policy(j) for name, j in config.jobs.items()}
+    assert policy["a"] == (2, timedelta(seconds=5), timedelta(seconds=30))
+    assert policy["b"][0] == 0
+    assert policy["c"] == (2, timedelta(minutes=1), timedelta(minutes=1))  # at least the delay
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("retries", "-1"),
+        ("retries", "101"),
+        ("retries", "many"),
+        ("retry_delay", "0s"),
+        ("retry_delay", "2d"),
+        ("retry_delay_max", "soon"),
+        ("catch_up", "sometimes"),
+        ("catch_up_window", "8d"),
+    ],
+)
+def test_a_bad_policy_field_is_one_line_naming_it(run, tmp_path, field, value):
+    extra = "    catch_up: all\n" if field.startswith("catch_up_") else ""
+    (tmp_path / "config.yaml").write_text(
+        f"jobs:\n  sync:\n    interval: 1h\n{extra}    {field}: {value}\n"
+    )
+    code, _, err = run("check")
+    assert code == 2 and f"jobs.sync.{field}" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("lines", "says"),
+    [
+        ("    retry_delay: 5m\n    retry_delay_max: 1m\n", "retry_delay_max"),
+        ("    catch_up_limit: 5\n", "catch_up: all"),
+        ("    catch_up: latest\n    catch_up_window: 1h\n", "catch_up: all"),
+        ("    catch_up: all\n    catch_up_limit: 0\n", "catch_up_limit"),
+    ],
+)
+def test_policy_fields_that_contradict_are_one_line(run, tmp_path, lines, says):
+    (tmp_path / "config.yaml").write_text(f"jobs:\n  sync:\n    interval: 1h\n{lines}")
+    code, _, err = run("check")
+    assert code == 2 and "jobs.sync" in err and says in err and err.count("\n") == 1, err
+
+
+def test_catch_up_plans_the_newest_missing_ticks_oldest_first_and_misses_the_rest():
+    j = job(interval="2s", catch_up="all", catch_up_window="1m", catch_up_limit=3)
+    now = datetime(2026, 11, 30, 12, 0, 0, 500000, tzinfo=UTC)
+    grid = [now.replace(microsecond=0) - timedelta(seconds=2 * n) for n in range(30)]
+    have = set(grid[8:])  # the ledger has every tick up to 16 s ago
+    to_run, missed = plan(j, now, have, tracked_since=None)
+    assert to_run == sorted(grid[:3])
+    assert missed == sorted(grid[3:8])
+
+
+def test_catch_up_looks_no_further_back_than_the_window_or_the_job_itself():
+    j = job(interval="2s", catch_up="all", catch_up_window="10s", catch_up_limit=10)
+    now = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+    to_run, missed = plan(j, now, set(), tracked_since=None)
+    assert to_run[0] > now - timedelta(seconds=10) and len(to_run) == 5 and not missed
+    to_run, _ = plan(j, now, set(), tracked_since=now - timedelta(seconds=3))
+    assert to_run == [now - timedelta(seconds=2), now]
+
+
+class JobsHere:
+    """The replica's jobs, as the daemon's run-now desk gives them to the gate."""
+
+    def __init__(self, *jobs: CatalogJob) -> None:
+        self.jobs = {j.key: j for j in jobs}
+
+    def keys(self) -> list[int]:
+        return list(self.jobs)
+
+    def job(self, key: int) -> CatalogJob | None:
+        return self.jobs.get(key)
+
+    def settle(self, *args: object) -> None:
+        return None
+
+
+def test_the_gate_retries_a_failed_tick_with_the_attempt_in_its_context(tmp_path):
+    from scheduler.backends.embedded import EmbeddedBackend
+
+    seen_attempts: list[int] = []
+
+    def flaky(ctx):
+        seen_attempts.append(ctx.attempt)
+        if ctx.attempt < 3:
+            raise RuntimeError(f"attempt {ctx.attempt}")
+
+    policy = {"retries": 2, "retry_delay": timedelta(seconds=1)}
+    work = replace(make_job(31, flaky), **policy)
+    backend = EmbeddedBackend(tmp_path / "s.db", instance="u1", namespace=77)
+    backend.migrate()
+    seen, clock = Recorder(), FakeMonotonic()
+    gate = Gate(backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen],
+                monotonic=clock, desk=JobsHere(work))  # fmt: skip
+    try:
+        gate.submit(work, now_tick(-1))
+
+        def stepped_to(n: int) -> bool:
+            clock.now += 0.5  # the fake monotonic clock follows the real one, roughly
+            threading.Event().wait(0.2)
+            gate.step()
+            return len(seen.of(events.RunFinished)) >= n
+
+        for n in (1, 2, 3):
+            wait_for(lambda n=n: stepped_to(n), 20, f"attempt {n} to finish", every=0.01)
+        finished = seen.of(events.RunFinished)
+        assert [f.status for f in finished] == [Status.RETRYING, Status.RETRYING, Status.SUCCEEDED]
+        assert [f.attempt for f in finished] == [1, 2, 3]
+        assert [f.retry_in_s for f in finished] == [1.0, 2.0, None]
+        assert seen_attempts == [1, 2, 3]
+        assert [s.attempt for s in seen.of(events.RunStarted)] == [1, 2, 3]
+        assert len({s.run_id for s in seen.of(events.RunStarted)}) == 3
+    finally:
+        backend.close()
+
+
+def test_a_manual_run_is_not_retried(gate_over_file):
+    gate, seen, _, _ = gate_over_file()
+
+    def failing(ctx):
+        raise RuntimeError("no")
+
+    work = replace(make_job(32, failing), retries=3)
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(gate.trigger(work, timeout=10)))
+    worker.start()
+    settle(gate, lambda: result, "the manual run")
+    worker.join()
+    assert result[0].status is Status.FAILED
+    assert [f.status for f in seen.of(events.RunFinished)] == [Status.FAILED]
