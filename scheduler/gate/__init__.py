@@ -78,22 +78,22 @@ from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 from scheduler import events
-from scheduler.backends.base import ClaimResult, Intent, LockStore, Outcome, Retries, SessionLost
+from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
 from scheduler.catalog import CatalogJob
 from scheduler.gate.claims import Claims, Won, claim_request
 from scheduler.gate.finishes import Finishes
+from scheduler.gate.retries import RetryLook
 from scheduler.gate.runs import ManualResult, Run, prepare
 from scheduler.gate.session import Backoff, LockSession
 from scheduler.gate.ticks import Running, TickQueue
 from scheduler.ledger import RunRequest
 from scheduler.runner import execute
-from scheduler.schedules import format_duration, tick_after
-from scheduler.statuses import CRASHED_AT_SHUTDOWN, CRASHED_LOST_LOCK, TIMED_OUT, Status
+from scheduler.schedules import format_duration
+from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
 from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
 
-RETRY_HELD = 2.0  # seconds before a due retry whose lock was held elsewhere is tried again
 
 Clock = Callable[[], datetime]
 Monotonic = Callable[[], float]
@@ -153,9 +153,11 @@ class Gate:
             monotonic=monotonic,
             emit=self._emit,
             wake=self._wake,
-            retry_scheduled=self._retry_in,
+            retry_scheduled=lambda seconds: self.retries.due_in(seconds),
         )
-        self._retry_at: float | None = None  # monotonic: when to look for due retries
+        self.retries = RetryLook(
+            backend, self.session, instance=instance, monotonic=monotonic, clock=clock
+        )
         self._mutex = threading.Lock()  # the runs and the manual requests
         self._runs: dict[int, Run] = {}  # job key -> run executing here
         self._manual: list[tuple[CatalogJob, datetime, Future[ManualResult], Intent]] = []
@@ -321,8 +323,9 @@ class Gate:
         due = self.queue.next_due(self._free_slots())
         if due is not None:
             wait = min(wait, max(0.0, due - now))
-        if self._retry_at is not None and self._free_slots() > 0:
-            wait = min(wait, max(0.0, self._retry_at - now))
+        retry = self.retries.wait()
+        if retry is not None and self._free_slots() > 0:
+            wait = min(wait, retry)
         return wait
 
     def step(self) -> None:
@@ -346,7 +349,7 @@ class Gate:
         self._guard(self._claim_retries)
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
-            self._retry_in(self.backend.retry_due_in())
+            self.retries.due_in(self.backend.retry_due_in())
 
     def _server_said_something(self) -> bool:
         """Between our calls the server only speaks to end the session (or to notify)."""
@@ -417,58 +420,15 @@ class Gate:
                     self._manual.append((job, tick, result, intent))
                 raise
 
-    # -- retries ---------------------------------------------------------------------
-
-    def _retry_in(self, seconds: float | None) -> None:
-        """A retry is due in `seconds` (None: none known): look for it then."""
-        if seconds is None:
-            return
-        at = self.monotonic() + max(0.0, seconds)
-        with self._mutex:
-            if self._retry_at is None or at < self._retry_at:
-                self._retry_at = at
-
     def _claim_retries(self) -> None:
-        """Start due retries of jobs this replica has and is not running, lock first."""
-        desk, free = self.desk, self._free_slots()
-        due = self._retry_at
-        if desk is None or due is None or due > self.monotonic() or free <= 0:
-            return
-        if self._stopping_runs.is_set():
+        """Start due retries of jobs this replica has and is not running (retries.py)."""
+        desk = self.desk
+        if desk is None or self._stopping_runs.is_set():
             return
         known = desk.keys()
         with self._mutex:
-            self._retry_at = None
             keys = [key for key in known if key not in self._runs]
-        found = self.session.round_trip(
-            lambda: self.backend.claim_retries(self.instance, keys, free, CRASHED_LOST_LOCK)
-        )
-        assert isinstance(found, Retries)
-        if found.next_in is not None:
-            self._retry_in(found.next_in if found.next_in > 0 else RETRY_HELD)
-        won = []
-        for result in found.started:
-            job = desk.job(result.key)
-            if job is None:  # reloaded away between the look and now: the sweep ends it
-                continue
-            self._say_retry(job, result)
-            won.append((job, result))
-        self._start_runs(won, None)
-
-    def _say_retry(self, job: CatalogJob, result: ClaimResult) -> None:
-        late = ""
-        if job.trigger is not None:
-            after = tick_after(job.trigger, result.scheduled_at)
-            if after is not None and after <= self.clock():
-                late = " (after the job's next tick, which is not held up by it)"
-        log.info(
-            "retrying %s tick %s: attempt %d of %d%s",
-            job.name,
-            result.scheduled_at.isoformat(),
-            result.attempt,
-            job.retries + 1,
-            late,
-        )
+        self._start_runs(self.retries.take(desk, keys, self._free_slots()), None)
 
     # -- runs ------------------------------------------------------------------------
 

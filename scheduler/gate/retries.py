@@ -1,0 +1,107 @@
+"""Retries: when to look for due ones, and the look itself (`scheduler_claim_retries`).
+
+A failed attempt's finish says when its next is due; the replica that
+recorded it looks then, the others when their heartbeat reports it, so a
+retry outlives the replica that scheduled it. A look whose due retries found
+their locks held looks again shortly; a job's lock is taken before its row,
+as for a manual run (see `scheduler.gate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Protocol
+
+from scheduler.backends.base import ClaimResult, LockStore, Retries
+from scheduler.catalog import CatalogJob
+from scheduler.gate.session import LockSession
+from scheduler.schedules import tick_after
+from scheduler.statuses import CRASHED_LOST_LOCK
+
+log = logging.getLogger("scheduler.gate")
+
+HELD_AGAIN = 2.0  # seconds before a due retry whose lock was held elsewhere is tried again
+
+
+class Jobs(Protocol):
+    def job(self, key: int) -> CatalogJob | None: ...
+
+
+class RetryLook:
+    def __init__(
+        self,
+        backend: LockStore,
+        session: LockSession,
+        *,
+        instance: str,
+        monotonic: Callable[[], float],
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.backend = backend
+        self.session = session
+        self.instance = instance
+        self.monotonic = monotonic
+        self.clock = clock
+        self._mutex = threading.Lock()
+        self._at: float | None = None  # monotonic: when to look (None: no retry known)
+
+    def due_in(self, seconds: float | None) -> None:
+        """A retry is due in `seconds` (None: none known): look then (any thread)."""
+        if seconds is None:
+            return
+        at = self.monotonic() + max(0.0, seconds)
+        with self._mutex:
+            if self._at is None or at < self._at:
+                self._at = at
+
+    def wait(self) -> float | None:
+        """Seconds until the next look (None: nothing known to look for)."""
+        with self._mutex:
+            return None if self._at is None else max(0.0, self._at - self.monotonic())
+
+    def take(
+        self, jobs: Jobs, keys: Sequence[int], free: int
+    ) -> list[tuple[CatalogJob, ClaimResult]]:
+        """Start the due retries of `keys` (jobs here, not running here), at most `free`.
+
+        Raises SessionLost; any other error leaves them to the next heartbeat.
+        """
+        with self._mutex:
+            if self._at is None or self._at > self.monotonic() or free <= 0 or not keys:
+                return []
+            self._at = None
+        found = self.session.round_trip(
+            lambda: self.backend.claim_retries(self.instance, keys, free, CRASHED_LOST_LOCK)
+        )
+        assert isinstance(found, Retries)
+        if found.next_in is not None:
+            self.due_in(found.next_in if found.next_in > 0 else HELD_AGAIN)
+        won, gone = [], []
+        for result in found.started:
+            job = jobs.job(result.key)
+            if job is None:  # reloaded away since the look began: its row is left to the sweep
+                gone.append(result.key)
+                continue
+            self._say(job, result)
+            won.append((job, result))
+        if gone:
+            self.session.round_trip(lambda: self.backend.release(gone))
+        return won
+
+    def _say(self, job: CatalogJob, result: ClaimResult) -> None:
+        late = ""
+        if job.trigger is not None:
+            after = tick_after(job.trigger, result.scheduled_at)
+            if after is not None and after <= self.clock():
+                late = " (after the job's next tick, which it does not hold up)"
+        log.info(
+            "retrying %s tick %s: attempt %d of %d%s",
+            job.name,
+            result.scheduled_at.isoformat(),
+            result.attempt,
+            job.retries + 1,
+            late,
+        )
