@@ -410,6 +410,9 @@ class Gate:
         with self._mutex:
             manual, self._manual = self._manual, []
         for job, tick, result, intent in manual:
+            if self._stopping_runs.is_set():  # shutting down: nothing new starts here
+                result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
+                continue
             if job.key in self._runs:
                 result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
                 continue

@@ -11,15 +11,16 @@ starting at once, and records the others missed.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import time
 from collections import Counter
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
 
-from tests.support import Fleet, Receiver, parse_tick, wait_for
+from tests.support import Fleet, Receiver, cli, parse_tick, wait_for
 
 pytestmark = pytest.mark.fleet
 
@@ -193,5 +194,63 @@ def test_catch_up_all_runs_the_newest_missed_ticks_once_each_oldest_first(tmp_pa
         assert [parse_tick(e["tick"]) for e in by_time] == ups
         assert not any(e.get("overlap") for e in fleet.starts())
         assert all(rows[at]["instance"] in NAMES for at in ups)
+    finally:
+        fleet.kill_all()
+
+
+def test_spread_moves_100_jobs_of_one_grid_apart_the_same_everywhere_each_once(
+    tmp_path, database_url
+):
+    """The replicas' clocks are set a few seconds before a minute starts (libfaketime; the
+    database keeps the real time), so the minute's 100 ticks come within the test."""
+    names = [f"minutely_{n:03d}" for n in range(100)]
+    fleet = Fleet(
+        tmp_path,
+        database_url,
+        {name: {"cron": "* * * * *", "spread": "30s"} for name in names},
+        {"holder_timeout": 6, "misfire_grace": 120},
+        job_files=["spread.py"],
+    )
+    now = datetime.now(UTC)
+    ahead = (60 - now.second - now.microsecond / 1e6 - 6) % 60  # replicas at hh:mm:54
+    try:
+        for name in NAMES:
+            fleet.start(name, clock_offset=f"+{ahead:.3f}s")
+        fleet.wait_ready()
+        minute = (now + timedelta(seconds=ahead + 10)).replace(second=0, microsecond=0)
+        in_minute = lambda: [  # noqa: E731
+            e
+            for e in fleet.starts()
+            if minute <= parse_tick(e["tick"]) < minute + timedelta(minutes=1)
+        ]
+        wait_for(lambda: len(in_minute()) >= 100, 90, "every job's tick of the minute")
+        time.sleep(1)
+        runs = in_minute()
+        ticks = Counter((e["job"], parse_tick(e["tick"])) for e in runs)
+        assert sorted({job for job, _ in ticks}) == names and set(ticks.values()) == {1}
+        offsets = {job: (at - minute).total_seconds() for job, at in ticks}
+        assert all(0 <= s < 30 and s == int(s) for s in offsets.values()), offsets
+        assert len(set(offsets.values())) >= 20, sorted(offsets.values())
+        assert len({e["instance"] for e in runs}) >= 2
+        # A process of its own (as a restarted replica) computes the same offsets.
+        done = cli(
+            fleet,
+            "jobs",
+            "--next",
+            "1",
+            "--after",
+            (minute - timedelta(seconds=1)).isoformat(),
+            "--json",
+        )
+        assert done.returncode == 0, done.stderr
+        shown = {
+            row["name"]: (parse_tick(row["next_ticks"][0]) - minute).total_seconds()
+            for row in json.loads(done.stdout)
+        }
+        assert shown == offsets
+        rows = [
+            r for r in fleet.ledger() if minute <= r["scheduled_at"] < minute + timedelta(minutes=1)
+        ]
+        assert len(rows) == 100 and {r["status"] for r in rows} == {"succeeded"}
     finally:
         fleet.kill_all()
