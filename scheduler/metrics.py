@@ -55,6 +55,18 @@ class Metrics(events.Observer):
             ["job"],
             registry=r,
         )
+        self.retries = Counter(
+            "scheduler_job_retries",
+            "Retries (attempts after a tick's first) this replica started.",
+            ["job"],
+            registry=r,
+        )
+        self.caught_up = Counter(
+            "scheduler_job_caught_up",
+            "Ticks missed while the fleet was down that this replica ran (catch_up: all).",
+            ["job"],
+            registry=r,
+        )
         self.schedule_drift = Gauge(
             "scheduler_job_schedule_drift",
             "1 while the job's live replicas run different schedules (refreshed every 30 s).",
@@ -132,7 +144,11 @@ class Metrics(events.Observer):
             self.running.labels(job=job).set(0)
 
     def run_started(self, event: events.RunStarted) -> None:
-        if event.attempt == 1 and not event.caught_up:  # late by design: not lateness
+        if event.attempt > 1:
+            self.retries.labels(job=event.job).inc()
+        elif event.caught_up:
+            self.caught_up.labels(job=event.job).inc()
+        else:  # retries and caught-up ticks are late by design: not lateness
             self.lateness.labels(job=event.job).observe(max(0.0, event.lateness_s))
         self.consecutive_skips.labels(job=event.job).set(0)
         self.running.labels(job=event.job).inc()

@@ -176,3 +176,19 @@ def test_a_manual_run_is_not_retried(gate_over_file):
     worker.join()
     assert result[0].status is Status.FAILED
     assert [f.status for f in seen.of(events.RunFinished)] == [Status.FAILED]
+
+
+def test_retries_and_caught_up_runs_are_counted_and_kept_out_of_lateness():
+    from scheduler.metrics import Metrics
+
+    metrics = Metrics(["j"])
+    at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    base = dict(job="j", key=5, scheduled_at=at, run_id=1, instance="u1", lateness_s=300.0,
+                manual=False, crashed=0, skips_ended=0, ping_url=None)  # fmt: skip
+    metrics.run_started(events.RunStarted(**base, attempt=2))
+    metrics.run_started(events.RunStarted(**base, caught_up=True))
+    metrics.run_started(events.RunStarted(**{**base, "lateness_s": 0.01}))
+    text = metrics.render().decode()
+    assert 'scheduler_job_retries_total{job="j"} 1.0' in text
+    assert 'scheduler_job_caught_up_total{job="j"} 1.0' in text
+    assert 'scheduler_job_lateness_seconds_count{job="j"} 1.0' in text
