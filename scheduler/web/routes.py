@@ -45,7 +45,7 @@ SECURITY = (
         " connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     ),
     ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
+    ("Referrer-Policy", "same-origin"),  # no-referrer would make browsers send Origin: null
     ("Cache-Control", "no-store"),
 )
 MAX_FIELDS = 20
@@ -237,6 +237,7 @@ class Page:
         session: Session | None = self.guard.session(request.headers)
         page = self.templates.get_template(template).render(
             **data,
+            path=request.path,
             instance=self.settings.instance_name,
             actions_on=self.guard.actions_on,
             session=session,

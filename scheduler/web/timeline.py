@@ -102,7 +102,7 @@ def _lane(lane: Lane, window: Window, now: datetime, top: float) -> str:
     label = escape(lane.label)
     shown = label if len(label) <= 24 else label[:23] + "…"
     parts = [
-        f'<g class="lane{"" if lane.live else " gone"}" data-lane="{escape(lane.name)}">',
+        f'<g class="lane {lane.kind}" data-lane="{escape(lane.label)}">',
         f'<rect class="track" x="{LABEL_W}" y="{top}" width="{_plot_w()}" height="{LANE_H}"/>',
         f'<text class="label" x="{LABEL_W - 6}" y="{top + LANE_H / 2 + 4}"><title>{label}'
         f" ({lane.total} tick(s) in the window)</title>{shown}</text>",

@@ -48,7 +48,7 @@ class Lane:
 
     name: str
     label: str
-    live: bool
+    kind: str  # replica (live), gone (a replica no longer live), not-run
     ticks: list[Tick] = field(default_factory=list)
     # bucket index -> status -> count; set when the lane is too dense to draw run by run
     buckets: dict[int, dict[str, int]] | None = None
@@ -80,11 +80,12 @@ def read_lanes(conn: Connection, window: Window, live: list[str]) -> list[Lane]:
     """The live replicas' lanes (in their order), then lanes of replicas gone since,
     then the ticks nobody ran; each lane run by run, or in buckets when dense."""
     counts = _bucket_counts(conn, window)
-    lanes = {name: Lane(name, name, True) for name in live}
+    lanes = {name: Lane(name, name, "replica") for name in live}
     for (name, index, status), count in counts.items():
-        if name not in lanes:
-            label = "not run (missed, paused)" if name == NOT_RUN_LANE else f"{name} (gone)"
-            lanes[name] = Lane(name, label, False)
+        if name == NOT_RUN_LANE and name not in lanes:
+            lanes[name] = Lane(name, "not run (missed, paused)", "not-run")
+        elif name not in lanes:
+            lanes[name] = Lane(name, f"{name} (gone)", "gone")
         lane = lanes[name]
         lane.total += count
         if lane.buckets is None:
@@ -100,8 +101,8 @@ def read_lanes(conn: Connection, window: Window, live: list[str]) -> list[Lane]:
         lane = lanes.get(lane_of(run.instance, run.status))
         if lane is not None and lane.buckets is None:
             lane.ticks.append(run)
-    ordered = sorted(lanes.values(), key=lambda lane: (lane.name == NOT_RUN_LANE, not lane.live))
-    return ordered
+    order = {"replica": 0, "gone": 1, "not-run": 2}
+    return sorted(lanes.values(), key=lambda lane: order[lane.kind])
 
 
 def _epoch(conn: Connection) -> object:

@@ -164,6 +164,23 @@ def settled(check: Callable[[], Any], what: str) -> Any:
     return wait_for(attempt, WAIT, what, every=0.3)
 
 
+def click(driver: Any, selector: str, then: str) -> None:
+    """Click, and wait for the next page: the old one is gone and `then` is on the new one."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    old = css(driver, "html")[0]
+    css(driver, selector)[0].click()
+    wait = WebDriverWait(driver, WAIT)
+    wait.until(expected_conditions.staleness_of(old))
+    try:
+        settled(lambda: css(driver, then), f"{then} after clicking {selector}")
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}; the page at {driver.current_url} says:\n{css(driver, 'body')[0].text}"
+        ) from None
+
+
 def test_fleet_jobs_and_problems_first(
     browser, site
 ):  # the browser first: without one, no fleet starts
@@ -276,13 +293,12 @@ def test_pause_and_resume_need_the_token(
     assert status == 403
     browser.get(site.url("page-a", "/jobs/page_toggle"))
     assert not css(browser, "#pause")
-    browser.find_element(By.LINK_TEXT, "Log in with the token").click()
+    click(browser, "#actions a[href^='/login']", "#token")
     browser.find_element(By.ID, "token").send_keys("not-the-token-at-all")
-    browser.find_element(By.ID, "log-in").click()
+    click(browser, "#log-in", "p[role=alert]")
     assert "That is not the token" in browser.page_source
     browser.find_element(By.ID, "token").send_keys(TOKEN)
-    browser.find_element(By.ID, "log-in").click()
-    settled(lambda: css(browser, "#pause"), "the pause button after logging in")
+    click(browser, "#log-in", "#pause")
     assert TOKEN not in browser.page_source
     cookie = browser.get_cookie("scheduler_session")
     assert cookie and TOKEN not in cookie["value"] and cookie["httpOnly"]
@@ -297,13 +313,11 @@ def test_pause_and_resume_need_the_token(
 
     browser.find_element(By.NAME, "reason").send_keys("from the page")
     browser.find_element(By.NAME, "by").send_keys("page-tester")
-    browser.find_element(By.ID, "pause").click()
-    settled(lambda: css(browser, "#resume"), "the resume button")
+    click(browser, "#pause", "#resume")
     assert "Paused for the fleet." in browser.page_source
     paused = site.job("page_toggle")["paused"]
     assert paused["by"] == "page-tester" and paused["reason"] == "from the page"
-    browser.find_element(By.ID, "resume").click()
-    settled(lambda: css(browser, "#pause"), "the pause button again")
+    click(browser, "#resume", "#pause")
     assert "Resumed" in browser.page_source
     assert site.job("page_toggle")["paused"] is None
 
