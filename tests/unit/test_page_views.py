@@ -20,36 +20,18 @@ from scheduler.web import timeline
 from scheduler.web.auth import Guard
 from scheduler.web.routes import Page
 from scheduler.web.window import BUCKETS, LANE_DETAIL, Lane, Tick, Window, read_lanes
+from tests.unit.conftest import CONFIG, JOBS
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 TOKEN = "unit-test-token-0123456789"
 XSS = "<script>alert(1)</script> & <b>x</b>"
-JOBS = """
-from scheduler import job
-
-@job(key=2101)
-def sync(ctx):
-    pass
-
-@job(key=2102)
-def report(ctx):
-    pass
-"""
-CONFIG = """
-jobs:
-  sync:
-    interval: 1m
-  report:
-    cron: "0 2 * * *"
-    timezone: Europe/Berlin
-"""
 
 
 def tick(instance: str, status: str, minutes_ago: float, **extra) -> Tick:
     at = NOW - timedelta(minutes=minutes_ago)
     fields = {
         "job": "sync",
-        "key": 2101,
+        "key": 2001,
         "instance": instance,
         "status": status,
         "scheduled_at": at,
@@ -146,7 +128,7 @@ def add_ticks(page: Page, rows: list[dict]) -> None:
 def row(n: int, status: str = "succeeded", instance: str = "unit-1", error: str | None = None):
     at = NOW - timedelta(seconds=n + 1)
     return {
-        "job_key": 2101,
+        "job_key": 2001,
         "job_name": "sync",
         "scheduled_at": at,
         "status": status,
