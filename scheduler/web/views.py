@@ -87,17 +87,22 @@ def _row(job: dict[str, Any], entry: CatalogJob | None, now: datetime) -> dict[s
     }
 
 
+def _lanes(backend: Backend, span: window.Window) -> list[window.Lane]:
+    with backend.ledger_engine.connect() as conn:
+        live = [i["name"] for i in backend.live_instances(conn)]
+        return window.read_lanes(conn, span, live)
+
+
 def index(backend: Backend, catalog: Catalog, now: datetime, wanted: Wanted) -> dict[str, Any]:
+    span = window.window_ending(now, WINDOWS[wanted.window])
     status = fleet_status(backend, catalog, now)
+    lanes = _lanes(backend, span)
     rows = [_row(job, catalog.by_name(job["name"]), now) for job in status["jobs"]]
     shown = [r for r in rows if wanted.query.lower() in r["name"].lower()]
     running: dict[str, list[dict[str, Any]]] = {}
     for job in status["jobs"]:
         if job["running"]:
             running.setdefault(job["running"]["instance"], []).append(job)
-    span = window.window_ending(now, WINDOWS[wanted.window])
-    with backend.ledger_engine.connect() as conn:
-        lanes = window.read_lanes(conn, span, [i["name"] for i in status["instances"]])
     return {
         "status": status,
         "jobs": _sorted(shown, wanted.sort),
