@@ -48,12 +48,15 @@ class Wanted:
     sort: str = "problems"
 
 
+def _failing(job: dict[str, Any]) -> bool:
+    return bool(job["consecutive_failures"] or (job["last_run"] or {}).get("status") in FAILING)
+
+
 def problem_rank(job: dict[str, Any]) -> int:
     """0 alerting, 1 failing, 2 paused, 3 skipping, 4 the rest: the problems first."""
-    last = job["last_run"]
     if job["alerting"]:
         return 0
-    if job["consecutive_failures"] or (last and last["status"] in FAILING):
+    if _failing(job):
         return 1
     if job["paused"]:
         return 2
@@ -82,21 +85,15 @@ def _row(job: dict[str, Any], entry: CatalogJob | None, now: datetime) -> dict[s
         "written": words.as_written(entry) if entry else "",
         "next_tick_utc": ledger.iso(tick),
         "rank": problem_rank(job),
-        "failing": problem_rank(job) <= 1
-        and bool(job["consecutive_failures"] or (job["last_run"] or {}).get("status") in FAILING),
+        "failing": _failing(job),
     }
-
-
-def _lanes(backend: Backend, span: window.Window) -> list[window.Lane]:
-    with backend.ledger_engine.connect() as conn:
-        live = [i["name"] for i in backend.live_instances(conn)]
-        return window.read_lanes(conn, span, live)
 
 
 def index(backend: Backend, catalog: Catalog, now: datetime, wanted: Wanted) -> dict[str, Any]:
     span = window.window_ending(now, WINDOWS[wanted.window])
     status = fleet_status(backend, catalog, now)
-    lanes = _lanes(backend, span)
+    with backend.ledger_engine.connect() as conn:
+        lanes = window.read_lanes(conn, span, [i["name"] for i in status["instances"]])
     rows = [_row(job, catalog.by_name(job["name"]), now) for job in status["jobs"]]
     shown = [r for r in rows if wanted.query.lower() in r["name"].lower()]
     running: dict[str, list[dict[str, Any]]] = {}
