@@ -123,7 +123,7 @@ class Page:
         if found is None:
             return self._html("missing.html", request, {}, status=404)
         query = _query(request)
-        before = _instant(query.get("before"))
+        before = query.get("before")
         data = views.job_page(self.backend, self.catalog(), found, self.clock(), before)
         asked = query.get("asked", "")
         data["asked"] = self._request_state(int(asked)) if asked.isdigit() else None
@@ -143,7 +143,7 @@ class Page:
         limit = query.get("limit", "50")
         if not limit.isdigit() or not 1 <= int(limit) <= API_LIMIT:
             return Reply(400, f"limit: a whole number from 1 to {API_LIMIT}\n".encode())
-        wanted = TickFilter(key=found.key, until=_instant(query.get("before")), limit=int(limit))
+        wanted = TickFilter(key=found.key, until=views.until(query.get("before")), limit=int(limit))
         rows = history(self.backend, wanted)
         return Reply(200, json.dumps(rows, indent=2).encode(), JSON, SECURITY)
 
@@ -268,16 +268,6 @@ def _fields(text: str) -> dict[str, str]:
         return dict(parse_qsl(text, max_num_fields=MAX_FIELDS))
     except ValueError:  # too many fields: none is taken
         return {}
-
-
-def _instant(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        found = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return found if found.tzinfo is not None else found.replace(tzinfo=UTC)
 
 
 def _local(target: str | None) -> str:

@@ -9,7 +9,7 @@ line never disagree; the timeline reads its window through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import desc, select
@@ -120,12 +120,12 @@ def job_page(
     catalog: Catalog,
     job: CatalogJob,
     now: datetime,
-    before: datetime | None,
+    before: str | None,
 ) -> dict[str, Any]:
     status = fleet_status(backend, catalog, now)
     (entry,) = [j for j in status["jobs"] if j["name"] == job.name]
-    until = None if before is None else before - timedelta(microseconds=1)
-    rows = history(backend, TickFilter(key=job.key, until=until, limit=HISTORY_PAGE + 1))
+    older_than = until(before)
+    rows = history(backend, TickFilter(key=job.key, until=older_than, limit=HISTORY_PAGE + 1))
     finished = history(backend, TickFilter(key=job.key, statuses=FINISHED, limit=PLOTTED))
     more = len(rows) > HISTORY_PAGE
     rows = rows[:HISTORY_PAGE]
@@ -134,11 +134,25 @@ def job_page(
         "next_ticks": [job.local(t) for t in job.next_ticks(now, 10)],
         "history": rows,
         "older": rows[-1]["scheduled_at"] if more and rows else None,
-        "paged": before is not None,
+        "paged": older_than is not None,
         "plot": plot.render(plot.points(finished)),
         "plotted": len(finished),
         "notices": recent_notices(backend, job.key),
     }
+
+
+def until(before: str | None) -> datetime | None:
+    """The last instant of a page of ticks scheduled before `before` (ISO-8601; UTC if
+    it has no offset); None for the newest page, or a value that is no instant."""
+    if not before:
+        return None
+    try:
+        instant = datetime.fromisoformat(before)
+    except ValueError:
+        return None
+    if instant.tzinfo is None:
+        instant = instant.replace(tzinfo=UTC)
+    return instant - timedelta(microseconds=1)  # `until` is inclusive: the tick itself is not
 
 
 def recent_notices(backend: Backend, key: int) -> list[dict[str, Any]]:
