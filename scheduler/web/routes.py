@@ -49,6 +49,7 @@ SECURITY = (
     ("Cache-Control", "no-store"),
 )
 MAX_FIELDS = 20
+MIN_REFRESH = 2  # seconds between two refreshes of a page, at least
 API_LIMIT = 1000  # rows of /api/jobs/NAME/history at most
 DONE = {  # what the job page says after an action (a fixed vocabulary, never echoed input)
     "paused": "Paused for the fleet.",
@@ -237,6 +238,7 @@ class Page:
         session: Session | None = self.guard.session(request.headers)
         page = self.templates.get_template(template).render(
             **data,
+            refresh=_refresh(_query(request).get("refresh", "")),
             path=request.path,
             instance=self.settings.instance_name,
             actions_on=self.guard.actions_on,
@@ -253,6 +255,14 @@ def when(value: str | datetime | None) -> str:
         return ""
     instant = datetime.fromisoformat(value) if isinstance(value, str) else value
     return instant.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _refresh(asked: str) -> int | None:
+    """`?refresh=N`: the script refreshes every N seconds (0: never; at least 2)."""
+    if not asked.isdigit():
+        return None
+    seconds = int(asked)
+    return 0 if seconds == 0 else min(max(seconds, MIN_REFRESH), 3600)
 
 
 def _query(request: Request) -> dict[str, str]:

@@ -320,6 +320,29 @@ def test_pause_and_resume_need_the_token(
     click(browser, "#resume", "#pause")
     assert "Resumed" in browser.page_source
     assert site.job("page_toggle")["paused"] is None
+    # Run now: handed to the fleet; the page says which replica ran it and how it ended.
+    click(browser, "#run-now", "p.asked")
+    asked = css(browser, "p.asked")[0].text
+    assert asked.startswith("Run-now request"), asked
+
+    def outcome() -> str | None:
+        browser.refresh()
+        said = css(browser, "p.asked")
+        return said[0].text if said and "succeeded on page-" in said[0].text else None
+
+    settled(outcome, "the run-now outcome on the page")
+
+
+def test_the_page_refreshes_itself_with_javascript(browser, site):
+    browser.get(site.url("page-a", "/?refresh=2"))
+    browser.execute_script("window.sameDocument = true")
+
+    def next_tick() -> str:
+        return css(browser, 'tr.job[data-job="page_steady"]')[0].get_attribute("data-next")
+
+    first = settled(next_tick, "page_steady's next tick")
+    settled(lambda: next_tick() != first, "the page to refresh in place")
+    assert browser.execute_script("return window.sameDocument === true")
 
 
 def test_the_page_works_without_javascript(browser, site):
