@@ -20,8 +20,9 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from sqlalchemy import Connection
 
-from scheduler import pauses, run_now
+from scheduler import ledger, pauses, run_now
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob
 from scheduler.config import Settings
@@ -174,7 +175,9 @@ class Page:
 
     def _do(self, action: str, job: CatalogJob, form: dict[str, str]) -> str:
         who = pauses.checked(form.get("by"), "by", pauses.MAX_ACTOR)
-        actor = who or f"page on {self.settings.instance_name}"
+        # Whoever holds the token may type any name: the record says it came by the page.
+        via = f"page on {self.settings.instance_name}"
+        actor = f"{who} ({via})" if who else via
         now = self.clock()
         base = "/jobs/" + quote(job.name)
         try:
@@ -188,6 +191,11 @@ class Page:
                 if action == "resume":
                     ended = pauses.resume(conn, job.key, job.name, by=actor, now=now)
                     return f"{base}?done={'resumed' if ended else 'not-paused'}"
+                if not self._taker_for(conn, job):
+                    raise ConfigError(
+                        f"{job.name}: not run: no live replica runs it"
+                        " (does their config.yaml have the job?)"
+                    )
                 namespace = self.settings.namespace
                 request = run_now.ask(
                     conn, job.key, job.name, by=actor, now=now, namespace=namespace
@@ -199,9 +207,23 @@ class Page:
             log.warning("page: %s %s failed: %s", action, job.name, one_line(exc))
             raise ConfigError(f"cannot {action} {job.name}: the ledger did not answer") from None
 
+    def _taker_for(self, conn: Connection, job: CatalogJob) -> bool:
+        """Whether a live replica has the job, and so may take a run-now request for it."""
+        live = {i["name"] for i in self.backend.live_instances(conn)}
+        found = ledger.registrations_of(conn, [job.key])
+        return any(r.instance in live and r.until is None for r in found)
+
     def _request_state(self, request: int) -> dict[str, Any] | None:
-        with self.backend.ledger_engine.connect() as conn:
-            return run_now.state(conn, request)
+        """A run-now request as the job page tells it; one nobody took within the
+        patience of `scheduler trigger` is withdrawn, as that command would."""
+        with self.backend.ledger_engine.begin() as conn:
+            state = run_now.state(conn, request)
+            if state is None or state["taken_by"] is not None:
+                return state
+            waited = (self.clock() - state["requested_at"]).total_seconds()
+            if waited > self.settings.holder_timeout + 5 and run_now.withdraw(conn, request):
+                return {**state, "withdrawn": waited}
+            return state
 
     # the login
 

@@ -316,7 +316,8 @@ def test_pause_and_resume_need_the_token(
     click(browser, "#pause", "#resume")
     assert "Paused for the fleet." in browser.page_source
     paused = site.job("page_toggle")["paused"]
-    assert paused["by"] == "page-tester" and paused["reason"] == "from the page"
+    assert paused["by"] == "page-tester (page on page-a)"
+    assert paused["reason"] == "from the page"
     click(browser, "#resume", "#pause")
     assert "Resumed" in browser.page_source
     assert site.job("page_toggle")["paused"] is None

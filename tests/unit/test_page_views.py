@@ -175,9 +175,13 @@ def test_a_bearer_pauses_and_resumes_through_the_ledger(project):
     assert reply.status == 303 and ("Location", "/jobs/sync?done=paused") in reply.headers
     status = json.loads(ask(page, "GET", "/api/status").body)
     (sync,) = [j for j in status["jobs"] if j["name"] == "sync"]
-    assert sync["paused"]["by"] == "alice" and sync["paused"]["reason"] == "db upgrade"
+    assert sync["paused"]["by"] == "alice (page on unit-1)"
+    assert sync["paused"]["reason"] == "db upgrade"
     assert ask(page, "POST", "/jobs/sync/resume", "", **bearer).status == 303
     assert ask(page, "POST", "/jobs/nope/pause", "", **bearer).status == 404
+    # Run now needs a live replica that has the job: none here.
+    reply = ask(page, "POST", "/jobs/sync/run", "", **bearer)
+    assert reply.status == 400 and b"no live replica runs it" in reply.body
 
 
 def test_protect_all_needs_a_token():
