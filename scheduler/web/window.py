@@ -92,7 +92,7 @@ def read_lanes(conn: Connection, window: Window, live: list[str]) -> list[Lane]:
             lane.buckets = {}
         lane.buckets.setdefault(index, {}).setdefault(status, 0)
         lane.buckets[index][status] += count
-    sparse = [lane for lane in lanes.values() if 0 < lane.total <= LANE_DETAIL]
+    sparse = _sparse(list(lanes.values()))
     for tick in _detail(conn, window, {lane.name for lane in sparse}):
         lanes[lane_of(tick.instance, tick.status)].ticks.append(tick)
     for lane in sparse:
@@ -103,6 +103,17 @@ def read_lanes(conn: Connection, window: Window, live: list[str]) -> list[Lane]:
             lane.ticks.append(run)
     order = {"replica": 0, "gone": 1, "not-run": 2}
     return sorted(lanes.values(), key=lambda lane: order[lane.kind])
+
+
+def _sparse(lanes: list[Lane]) -> list[Lane]:
+    """The lanes drawn run by run: each within LANE_DETAIL, all within DETAIL_LIMIT
+    (the quietest first; the others stay in buckets)."""
+    chosen, budget = [], DETAIL_LIMIT
+    for lane in sorted(lanes, key=lambda lane: lane.total):
+        if 0 < lane.total <= min(LANE_DETAIL, budget):
+            chosen.append(lane)
+            budget -= lane.total
+    return chosen
 
 
 def _epoch(conn: Connection) -> object:

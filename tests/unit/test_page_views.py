@@ -233,3 +233,12 @@ def test_posts_are_bounded_and_routes_answer_under_their_prefix():
         )
     finally:
         server.stop()
+
+
+def test_lanes_drawn_run_by_run_stay_within_the_detail_budget():
+    from scheduler.web.window import DETAIL_LIMIT, _sparse
+
+    lanes = [Lane(f"r{i}", f"r{i}", "replica", total=LANE_DETAIL) for i in range(30)]
+    chosen = _sparse(lanes)
+    assert sum(lane.total for lane in chosen) <= DETAIL_LIMIT
+    assert len(chosen) == DETAIL_LIMIT // LANE_DETAIL
