@@ -105,7 +105,8 @@ class Page:
             if self.guard.may_read(request.headers):
                 return route(request)
             if request.path.startswith("/api/"):
-                return Reply(401, b"send Authorization: Bearer <http_token>\n")
+                challenge = (("WWW-Authenticate", 'Bearer realm="scheduler"'),)
+                return Reply(401, b"send Authorization: Bearer <http_token>\n", headers=challenge)
             return _redirect("/login?next=" + quote(request.path))
 
         return guarded

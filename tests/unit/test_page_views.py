@@ -242,3 +242,26 @@ def test_lanes_drawn_run_by_run_stay_within_the_detail_budget():
     chosen = _sparse(lanes)
     assert sum(lane.total for lane in chosen) <= DETAIL_LIMIT
     assert len(chosen) == DETAIL_LIMIT // LANE_DETAIL
+
+
+def test_a_browser_logs_in_acts_with_the_forms_csrf_token_and_logs_out(project):
+    page = project(SCHEDULER_HTTP_TOKEN=TOKEN)
+    here = {"host": "h:8080", "origin": "http://h:8080", "sec-fetch-site": "same-origin"}
+    assert ask(page, "POST", "/login", "token=wrong-wrong-wrong", **here).status == 403
+    assert (
+        ask(page, "POST", "/login", f"token={TOKEN}", **{**here, "origin": "http://x"}).status
+        == 403
+    )
+    reply = ask(page, "POST", "/login", f"token={TOKEN}&next=/jobs/sync", **here)
+    assert reply.status == 303 and ("Location", "/jobs/sync") in reply.headers
+    cookie = dict(reply.headers)["Set-Cookie"].split(";")[0]
+    html = ask(page, "GET", "/jobs/sync", cookie=cookie).body.decode()
+    assert 'id="pause"' in html and TOKEN not in html
+    csrf = html.split('name="csrf" value="')[1].split('"')[0]
+    assert ask(page, "POST", "/jobs/sync/pause", "reason=x", cookie=cookie, **here).status == 403
+    done = ask(page, "POST", "/jobs/sync/pause", f"csrf={csrf}", cookie=cookie, **here)
+    assert done.status == 303
+    out = ask(page, "POST", "/logout", f"csrf={csrf}", cookie=cookie, **here)
+    assert "Max-Age=0" in dict(out.headers)["Set-Cookie"]
+    login = ask(page, "POST", "/login", f"token={TOKEN}&next=//evil.example/x", **here)
+    assert ("Location", "/") in login.headers  # never to another site
