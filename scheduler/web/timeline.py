@@ -178,16 +178,17 @@ def _buckets(buckets: dict[int, dict[str, int]], window: Window, top: float) -> 
         height = max(3.0, (LANE_H - 4) * total / most)
         x = LABEL_W + index * width
         begin = window.start + timedelta(seconds=index * window.bucket_s)
-        said = ", ".join(f"{counts[s]} {s}" for s in STACK if counts.get(s))
+        order = [*STACK, *sorted(set(counts) - set(STACK))]  # a status of a newer version last
+        said = ", ".join(f"{counts[s]} {s}" for s in order if counts.get(s))
         title = f"{_hms(begin)} to {_hms(begin + timedelta(seconds=window.bucket_s))} UTC: {said}"
         out.append(f'<g class="bucket" tabindex="0"><title>{escape(title)}</title>')
         y = top + LANE_H - 2
-        for status in STACK:
+        for status in order:
             if counts.get(status):
                 part = height * counts[status] / total
                 y -= part
                 out.append(
-                    f'<rect class="s-{status}" x="{x:.1f}" y="{y:.1f}"'
+                    f'<rect class="s-{escape(status)}" x="{x:.1f}" y="{y:.1f}"'
                     f' width="{max(width - 0.4, 0.8):.1f}" height="{part:.1f}"/>'
                 )
         out.append("</g>")
