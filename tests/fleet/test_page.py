@@ -31,7 +31,7 @@ pytestmark = pytest.mark.fleet
 TOKEN = "page-test-token-0123456789"
 SCHEDULES = {
     "page_steady": {"interval": "1s"},
-    "page_fails": {"interval": "2s", "fail_alert_after": 2},
+    "page_fails": {"interval": "1s", "fail_alert_after": 2},
     "page_paused": {"interval": "1s"},
     "page_toggle": {"cron": "0 3 * * *"},
 }
