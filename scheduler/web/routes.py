@@ -113,10 +113,11 @@ class Page:
 
     def index(self, request: Request) -> Reply:
         query = _query(request)
+        window, sort = query.get("window", ""), query.get("sort", "")
         wanted = views.Wanted(
-            window=query.get("window") if query.get("window") in views.WINDOWS else "1h",
+            window=window if window in views.WINDOWS else views.DEFAULT_WINDOW,
             query=query.get("q", "")[:100],
-            sort=query.get("sort") if query.get("sort") in views.SORTS else "problems",
+            sort=sort if sort in views.SORTS else views.SORTS[0],
         )
         data = views.index(self.backend, self.catalog(), self.clock(), wanted)
         return self._html("index.html", request, data)
