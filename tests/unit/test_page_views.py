@@ -50,10 +50,12 @@ def test_the_timeline_draws_a_lane_per_replica_a_bar_per_run_and_escapes_errors(
     lanes = [
         Lane("r1", "r1", "replica", [tick("r1", "succeeded", 10, run_id=41)], total=1),
         Lane("r2", "r2", "replica", [tick("r2", "failed", 5, run_id=42, error=XSS)], total=1),
-        Lane("r3", "r3", "replica"),
+        Lane("r3", "r3", "replica", [tick("r3", "skipped", 3, run_id=None)], total=1),
+        Lane("-", "not run (missed, paused)", "not-run", [tick("r1", "missed", 2)], total=1),
     ]
     svg = timeline.render(lanes, window, NOW)
-    assert svg.count('class="lane replica"') == 3
+    assert 'class="mark s-skipped"' in svg and 'class="mark s-missed"' in svg
+    assert svg.count('class="lane replica"') == 3 and 'class="lane not-run"' in svg
     assert 'data-run="41"' in svg and 'class="run s-failed"' in svg
     assert "<script>" not in svg and "&lt;script&gt;alert(1)&lt;/script&gt;" in svg
     assert "run_id 42" in svg and "duration 20.00 s" in svg
