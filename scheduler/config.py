@@ -55,6 +55,7 @@ MAX_INTERVAL = timedelta(days=3650)
 MAX_MISFIRE_GRACE = timedelta(days=1)
 MAX_CONFIG_BYTES = 10 * 1024 * 1024
 MAX_YAML_DEPTH = 50
+MIN_TOKEN = 16  # characters of http_token: guessing it must be hopeless
 
 
 def default_instance_name() -> str:
@@ -290,6 +291,9 @@ class Settings(BaseSettings):
     ] = 14.0
     http_host: str = "0.0.0.0"
     http_port: Annotated[int, _whole(0, 65535)] | None = None
+    # The page's actions (pause, resume, run now) need this token; `all`: reading too.
+    http_token: SecretStr | None = None
+    http_protect: Annotated[Literal["actions", "all"], BeforeValidator(_lowercase)] = "actions"
     log_format: Annotated[Literal["text", "json"], BeforeValidator(_lowercase)] = "text"
     schedule_drift_grace: Annotated[
         float, _ranged(0, 86400, "must be a number of seconds between 0 and 86400")
@@ -339,6 +343,23 @@ class Settings(BaseSettings):
             return None
         validate_http_url(value.get_secret_value())
         return value
+
+    @field_validator("http_token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        if len(value.get_secret_value()) < MIN_TOKEN:
+            raise ValueError(
+                f"must be at least {MIN_TOKEN} characters (a random one: openssl rand -hex 32)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _protected(self) -> Settings:
+        if self.http_protect == "all" and self.http_token is None:
+            raise ValueError("http_protect: all needs http_token (SCHEDULER_HTTP_TOKEN) to be set")
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -631,7 +652,7 @@ def _suggestion(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-_SECRET_FIELDS = {"database_url", "alert_webhook_url"}
+_SECRET_FIELDS = {"database_url", "alert_webhook_url", "http_token"}
 _SECRET_WORDS = ("password", "secret", "token")
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 2 * SHOWN_MAX

@@ -234,6 +234,9 @@ class Daemon:
                 ready=self.ready,
                 metrics=self.metrics.render,
             )
+            from scheduler.web import mount
+
+            mount(self.http, self.backend, lambda: self.catalog, self.settings)
 
     def prepare(self) -> bool:
         """Create or migrate the schema; waits for the database rather than exiting.

@@ -1,4 +1,4 @@
-"""Health and metrics over HTTP: /healthz, /readyz, /metrics. Off unless http_port is set.
+"""Health, metrics and the page over HTTP. Off unless http_port is set.
 
 Observes the daemon; never steers it. Whatever clients do, the endpoint holds
 a bounded number of threads and file descriptors, so the lock session and the
@@ -6,8 +6,12 @@ ledger never run short of them: at most `MAX_CONNECTIONS` connections are
 served at once (fewer under a low RLIMIT_NOFILE), each on its own thread; one
 beyond that is answered 503 by the accepting thread and closed at once; and a
 request must arrive whole within `REQUEST_TIMEOUT` seconds, however slowly it
-trickles in, or its connection is dropped. One request per connection
+trickles in, or its connection is dropped; a POST body is read under the same
+deadline and refused beyond `MAX_BODY` bytes. One request per connection
 (HTTP/1.0), so an idle keep-alive client holds nothing.
+
+A route is an exact path, or a prefix ending in `/*` (`/jobs/*`) that
+answers every path under it; the page's routes are in `scheduler.web`.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -33,6 +37,7 @@ log = logging.getLogger("scheduler.http")
 
 MAX_CONNECTIONS = 32
 REQUEST_TIMEOUT = 5.0
+MAX_BODY = 16 * 1024  # bytes of a POST body: the page's forms send a few dozen
 # The share of the process's descriptor limit the endpoint may use at most.
 FD_SHARE = 16
 
@@ -52,6 +57,8 @@ class Request:
     method: str
     path: str
     query: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
+    body: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Reply:
     status: int
     body: bytes
     content_type: str = "text/plain; charset=utf-8"
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 Route = Callable[[Request], Reply]
@@ -99,12 +107,30 @@ class HealthServer:
 
     def start(self) -> None:
         self._thread.start()
-        log.info("serving /healthz, /readyz and /metrics on port %d", self.port)
+        page = "the page (/), " if ("GET", "/") in self.routes else ""
+        log.info("serving %s/healthz, /readyz and /metrics on port %d", page, self.port)
 
     def stop(self) -> None:
         if self._thread.is_alive():
             self.server.shutdown()
         self.server.server_close()
+
+
+def find_route(routes: Mapping[tuple[str, str], Route], method: str, path: str) -> Route | None:
+    """The exact path's route, else the longest `/prefix/*` route the path is under."""
+    exact = routes.get((method, path))
+    if exact is not None:
+        return exact
+    under = [
+        (len(pattern), route)
+        for (m, pattern), route in routes.items()
+        if m == method and pattern.endswith("/*") and path.startswith(pattern[:-1])
+    ]
+    return max(under, key=lambda found: found[0])[1] if under else None
+
+
+def _allowed(routes: Mapping[tuple[str, str], Route], path: str) -> list[str]:
+    return sorted({m for m in ("GET", "POST") if find_route(routes, m, path) is not None})
 
 
 def _check(ok: bool) -> Reply:
@@ -253,22 +279,43 @@ def _handler(
         def do_GET(self) -> None:
             self._dispatch("GET")
 
+        def do_POST(self) -> None:
+            self._dispatch("POST")
+
         def _dispatch(self, method: str) -> None:
             path, _, query = self.path.partition("?")
-            route = routes.get((method, path))
+            route = find_route(routes, method, path)
             if route is None:
-                allowed = sorted(m for m, p in routes if p == path)
+                allowed = _allowed(routes, path)
                 if allowed:
                     self._send(Reply(405, b"method not allowed\n"), {"Allow": ", ".join(allowed)})
                 else:
                     self._send(Reply(404, b"not found\n"))
                 return
+            body = self._body() if method == "POST" else b""
+            if body is None:
+                return
+            headers = {name.lower(): value for name, value in self.headers.items()}
             try:
-                reply = route(Request(method, path, query))
+                reply = route(Request(method, path, query, headers, body))
             except Exception:
                 log.exception("%s %s failed", method, path)
                 reply = Reply(500, b"internal error\n")
             self._send(reply)
+
+        def _body(self) -> bytes | None:
+            """The POST body, read under the request's deadline; None once refused."""
+            length = self.headers.get("Content-Length", "0").strip()
+            if not length.isdigit():
+                self._send(Reply(411, b"a Content-Length is needed\n"))
+                return None
+            if int(length) > MAX_BODY:
+                self._send(Reply(413, f"at most {MAX_BODY} bytes\n".encode()))
+                return None
+            body = self.rfile.read(int(length))
+            if len(body) < int(length):
+                return None  # the client went away mid-body
+            return body
 
         def _send(self, reply: Reply, headers: dict[str, str] | None = None) -> None:
             self.connection.settimeout(timeout)  # the reply gets a timeout of its own
@@ -276,6 +323,8 @@ def _handler(
             self.send_header("Content-Type", reply.content_type)
             self.send_header("Content-Length", str(len(reply.body)))
             for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            for name, value in reply.headers:
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(reply.body)

@@ -1,0 +1,35 @@
+"""The page: the fleet, every job, and a timeline of runs per replica, served at `/`.
+
+Server-rendered HTML (Jinja2 templates, one stylesheet, a little plain
+JavaScript, all inside the package; nothing fetched from elsewhere). It works
+with JavaScript off; with it on, it refreshes itself. Like the rest of the
+HTTP side it observes the fleet through the ledger, and its three actions go
+through the modules the command line uses. Modules:
+
+- `routes`: the HTTP side (routes, query parsing, login, actions)
+- `auth`: the token, the session cookie, CSRF and origin checks
+- `views`: what each page shows, from `scheduler.status`
+- `window`: the timeline's bounded reads of the ledger
+- `timeline`, `plot`: SVG drawn on the server (pure functions)
+- `words`: a schedule in words and as written
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.backends import Backend
+    from scheduler.catalog import Catalog
+    from scheduler.config import Settings
+    from scheduler.http_server import HealthServer
+
+
+def mount(
+    server: HealthServer, backend: Backend, catalog: Callable[[], Catalog], settings: Settings
+) -> None:
+    """Add the page's routes to a replica's HTTP server."""
+    from scheduler.web.routes import Page
+
+    server.routes.update(Page(backend, catalog, settings).routes())

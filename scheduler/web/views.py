@@ -1,0 +1,173 @@
+"""What each page shows, as plain data for its template; `now` is passed in.
+
+The fleet and the jobs come from `scheduler.status` (the documents of
+`status --json` and `history --json`), so the page, the API and the command
+line never disagree; the timeline reads its window through
+`scheduler.web.window`. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import desc, select
+
+from scheduler import alerts, ledger
+from scheduler.backends import Backend
+from scheduler.catalog import Catalog, CatalogJob
+from scheduler.ledger import TickFilter
+from scheduler.status import fleet_status, history
+from scheduler.statuses import FINISHED, Status
+from scheduler.web import plot, timeline, window, words
+
+WINDOWS = {
+    "15m": timedelta(minutes=15),
+    "30m": timedelta(minutes=30),
+    "1h": timedelta(hours=1),
+    "3h": timedelta(hours=3),
+    "6h": timedelta(hours=6),
+    "12h": timedelta(hours=12),
+    "24h": timedelta(hours=24),
+}
+DEFAULT_WINDOW = "1h"
+SORTS = ("problems", "name", "next", "last")
+HISTORY_PAGE = 25
+PLOTTED = 100  # runs in the duration and lateness plot
+NOTICES = 10
+FAILING = (Status.FAILED, Status.CRASHED)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the index was asked for (already checked)."""
+
+    window: str = DEFAULT_WINDOW
+    query: str = ""
+    sort: str = "problems"
+
+
+def _failing(job: dict[str, Any]) -> bool:
+    return bool(job["consecutive_failures"] or (job["last_run"] or {}).get("status") in FAILING)
+
+
+def problem_rank(job: dict[str, Any]) -> int:
+    """0 alerting, 1 failing, 2 paused, 3 skipping, 4 the rest: the problems first."""
+    if job["alerting"]:
+        return 0
+    if _failing(job):
+        return 1
+    if job["paused"]:
+        return 2
+    if job["consecutive_skips"] or not job["schedules_agree"]:
+        return 3
+    return 4
+
+
+def _sorted(jobs: list[dict[str, Any]], sort: str) -> list[dict[str, Any]]:
+    if sort == "name":
+        return sorted(jobs, key=lambda j: j["name"].lower())
+    if sort == "next":
+        return sorted(jobs, key=lambda j: (j["next_tick_utc"] is None, j["next_tick_utc"] or ""))
+    if sort == "last":
+        return sorted(
+            jobs, key=lambda j: (j["last_run"] or {}).get("finished_at") or "", reverse=True
+        )
+    return sorted(jobs, key=lambda j: (problem_rank(j), j["name"].lower()))
+
+
+def _row(job: dict[str, Any], entry: CatalogJob | None, now: datetime) -> dict[str, Any]:
+    tick = entry.next_tick(now) if entry else None
+    return {
+        **job,
+        "words": words.in_words(entry) if entry else job["schedule"],
+        "written": words.as_written(entry) if entry else "",
+        "next_tick_utc": ledger.iso(tick),
+        "rank": problem_rank(job),
+        "failing": _failing(job),
+    }
+
+
+def index(backend: Backend, catalog: Catalog, now: datetime, wanted: Wanted) -> dict[str, Any]:
+    span = window.window_ending(now, WINDOWS[wanted.window])
+    status = fleet_status(backend, catalog, now)
+    with backend.ledger_engine.connect() as conn:
+        lanes = window.read_lanes(conn, span, [i["name"] for i in status["instances"]])
+    rows = [_row(job, catalog.by_name(job["name"]), now) for job in status["jobs"]]
+    shown = [r for r in rows if wanted.query.lower() in r["name"].lower()]
+    running: dict[str, list[dict[str, Any]]] = {}
+    for job in status["jobs"]:
+        if job["running"]:
+            running.setdefault(job["running"]["instance"], []).append(job)
+    return {
+        "status": status,
+        "jobs": _sorted(shown, wanted.sort),
+        "total_jobs": len(rows),
+        "running": running,
+        "drift": [j for j in status["jobs"] if not j["schedules_agree"]],
+        "problems": sum(1 for r in rows if r["rank"] <= 2),
+        "timeline": timeline.render(lanes, span, now),
+        "lanes": lanes,
+        "wanted": wanted,
+        "windows": list(WINDOWS),
+        "sorts": SORTS,
+    }
+
+
+def job_page(
+    backend: Backend,
+    catalog: Catalog,
+    job: CatalogJob,
+    now: datetime,
+    before: str | None,
+) -> dict[str, Any]:
+    status = fleet_status(backend, catalog, now)
+    (entry,) = [j for j in status["jobs"] if j["name"] == job.name]
+    older_than = until(before)
+    rows = history(backend, TickFilter(key=job.key, until=older_than, limit=HISTORY_PAGE + 1))
+    finished = history(backend, TickFilter(key=job.key, statuses=FINISHED, limit=PLOTTED))
+    more = len(rows) > HISTORY_PAGE
+    rows = rows[:HISTORY_PAGE]
+    return {
+        "job": _row(entry, job, now),
+        "next_ticks": [job.local(t) for t in job.next_ticks(now, 10)],
+        "history": rows,
+        "older": rows[-1]["scheduled_at"] if more and rows else None,
+        "paged": older_than is not None,
+        "plot": plot.render(plot.points(finished)),
+        "plotted": len(finished),
+        "notices": recent_notices(backend, job.key),
+    }
+
+
+def until(before: str | None) -> datetime | None:
+    """The last instant of a page of ticks scheduled before `before` (ISO-8601; UTC if
+    it has no offset); None for the newest page, or a value that is no instant."""
+    if not before:
+        return None
+    try:
+        instant = datetime.fromisoformat(before)
+    except ValueError:
+        return None
+    if instant.tzinfo is None:
+        instant = instant.replace(tzinfo=UTC)
+    return instant - timedelta(microseconds=1)  # `until` is inclusive: the tick itself is not
+
+
+def recent_notices(backend: Backend, key: int) -> list[dict[str, Any]]:
+    """The job's latest notices (alerts, recoveries, pauses), each as its sentence."""
+    n = ledger.notices
+    query = select(n).where(n.c.job_key == key).order_by(desc(n.c.id)).limit(NOTICES)
+    with backend.ledger_engine.connect() as conn:
+        found = [dict(row._mapping) for row in conn.execute(query)]
+    return [
+        {
+            "event": row["event"],
+            "at": ledger.iso(row["raised_at"]),
+            "by": row["raised_by"],
+            "text": alerts.Notice.from_row(row).text(),
+            "delivered": row["outcome"] or ("pending" if row["done_at"] is None else ""),
+        }
+        for row in found
+    ]
