@@ -26,7 +26,8 @@ from psycopg import sql
 from tests.fleet.tools import require
 from tests.support import Fleet, cli, free_port, wait_for, with_database
 
-pytestmark = pytest.mark.fleet
+# One fleet and one browser for the module: its tests stay on one xdist worker.
+pytestmark = [pytest.mark.fleet, pytest.mark.xdist_group("page")]
 
 TOKEN = "page-test-token-0123456789"
 SCHEDULES = {
