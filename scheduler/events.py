@@ -37,7 +37,7 @@ class RunFinished:
     scheduled_at: datetime
     run_id: int
     instance: str
-    status: Status  # succeeded, failed, interrupted, crashed, or retrying (another attempt due)
+    status: Status  # succeeded, failed, interrupted or crashed
     error: str | None
     duration_s: float
     recorded: bool  # False: the run had lost its lock and its row was taken over
@@ -51,7 +51,7 @@ class RunFinished:
     notices: tuple[int, ...]  # outbox notices the finish raised (delivered by scheduler.notices)
     ping_url: str | None
     attempt: int = 1
-    retry_in_s: float | None = None  # status retrying: the next attempt is due this much later
+    retry_in_s: float | None = None  # failed, and the next attempt is due this much later
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build

@@ -91,7 +91,8 @@ ticks = Table(
     Column("told", Text),  # what the run was told while it ran: stopping, lock_lost
     Column("duration_s", Float),  # the run's own duration, measured where it ran
     # Retries (job `retries`): the row holds the tick's latest attempt; earlier ones are
-    # kept in scheduler_attempts. `retry_at`: when a `retrying` tick's next attempt is due.
+    # kept in scheduler_attempts. `retry_at`: set on a `failed` row whose next attempt is
+    # due then; the attempt that takes it clears it.
     Column("attempt", Integer, nullable=False, server_default="1"),
     Column("retry_at", UTCDateTime()),
     # Run after the fleet came back (`catch_up: all`), later than its misfire grace.
@@ -101,9 +102,9 @@ ticks = Table(
 )
 
 # Ticks waiting for their next attempt: every replica looks for due ones.
-RETRYING_INDEX = text(
-    "CREATE INDEX IF NOT EXISTS scheduler_ticks_retrying"
-    " ON scheduler_ticks (retry_at) WHERE status = 'retrying'"
+RETRY_INDEX = text(
+    "CREATE INDEX IF NOT EXISTS scheduler_ticks_retry_at"
+    " ON scheduler_ticks (retry_at) WHERE retry_at IS NOT NULL"
 )
 
 # The earlier attempts of a tick that was retried (the tick's row holds the latest):
@@ -274,7 +275,7 @@ class TickRow:
     manual: bool
     told: str | None = None
     attempt: int = 1  # the row's attempt; earlier ones are in `attempts`, oldest first
-    retry_at: datetime | None = None  # status retrying: when the next attempt is due
+    retry_at: datetime | None = None  # failed, with another attempt due then
     caught_up: bool = False
     attempts: tuple[dict[str, object], ...] = ()
 
@@ -586,10 +587,10 @@ def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> in
         if batch_end is not None
         else ticks.c.scheduled_at < older_than
     )
-    pending = (Status.RUNNING, Status.RETRYING)
-    removed = conn.execute(delete(ticks).where(window, ticks.c.status.not_in(pending))).rowcount
+    pending = or_(ticks.c.status == Status.RUNNING, ticks.c.retry_at.is_not(None))
+    removed = conn.execute(delete(ticks).where(window, ~pending)).rowcount
     done = ~tuple_(attempts.c.job_key, attempts.c.scheduled_at).in_(
-        select(ticks.c.job_key, ticks.c.scheduled_at).where(ticks.c.status.in_(pending))
+        select(ticks.c.job_key, ticks.c.scheduled_at).where(pending)
     )
     old = (
         attempts.c.scheduled_at <= batch_end if batch_end else attempts.c.scheduled_at < older_than

@@ -35,7 +35,7 @@ class Pings(events.Observer):
             self._send(event.ping_url.rstrip("/") + "/start", b"")
 
     def run_finished(self, event: events.RunFinished) -> None:
-        if not event.ping_url or not event.recorded or event.status == Status.RETRYING:
+        if not event.ping_url or not event.recorded or event.retry_in_s is not None:
             return  # a failed attempt with another to come says nothing yet
         base = event.ping_url.rstrip("/")
         if event.status == Status.SUCCEEDED:

@@ -16,7 +16,6 @@ class Status(StrEnum):
     CRASHED = "crashed"  # its replica died or lost the lock before the run ended
     MISSED = "missed"  # no replica started it within its misfire grace
     PAUSED = "paused"  # the job was paused for the fleet
-    RETRYING = "retrying"  # an attempt failed; another is due at `retry_at` (job `retries`)
 
 
 FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.INTERRUPTED, Status.CRASHED)

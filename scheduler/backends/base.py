@@ -84,7 +84,7 @@ class FinishRequest(NamedTuple):  # a tuple: a burst's finishes make hundreds of
     told: str | None = None  # what the run was told while it ran (see statuses.Told)
     duration_s: float | None = None  # the run's own duration, measured here
     next_due: datetime | None = None  # the job's next tick: a run ended by then kept up
-    retry_in_s: float | None = None  # status `retrying`: the next attempt is due this much later
+    retry_in_s: float | None = None  # failed, with another attempt due this much later
 
 
 class FinishResult(NamedTuple):

@@ -134,7 +134,8 @@ class EmbeddedBackend:
             return None
         driver = self._conn.connection.driver_connection
         found = driver.execute(  # type: ignore[union-attr]
-            "SELECT min(retry_at) FROM scheduler_ticks t WHERE status = 'retrying'"
+            "SELECT min(retry_at) FROM scheduler_ticks t"
+            " WHERE retry_at IS NOT NULL AND status = 'failed'"
             " AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)"
         ).fetchone()
         if not found or found[0] is None:

@@ -267,6 +267,8 @@ class Steps:
         for r, recorded, _, finished in sorted(done, key=lambda d: d[0].key):
             if not recorded or r.status not in (Status.SUCCEEDED, Status.FAILED):
                 continue
+            if r.retry_in_s is not None:  # another attempt is to come: not the tick's end
+                continue
             self._ensure_job(r.key, self._job_name(r))
             row = self.conn.execute(select(j).where(j.c.job_key == r.key)).one()
             kept_up = r.next_due is None or (finished is not None and finished <= r.next_due)
@@ -384,7 +386,11 @@ class Steps:
         paused = self._paused(set(keys))
         query = (
             select(t)
-            .where(t.c.status == Status.RETRYING, t.c.job_key.in_(sorted(set(keys) - paused)))
+            .where(
+                t.c.retry_at.is_not(None),
+                t.c.status == Status.FAILED,
+                t.c.job_key.in_(sorted(set(keys) - paused)),
+            )
             .order_by(t.c.retry_at, t.c.scheduled_at, t.c.job_key)
         )
         return list(self.conn.execute(query))

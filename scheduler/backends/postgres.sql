@@ -422,7 +422,7 @@ BEGIN
 END;
 $$;
 
--- Retries (job `retries`): a `retrying` tick whose next attempt is due is taken like a
+-- Retries (job `retries`): a failed tick whose next attempt is due is taken like a
 -- manual run, lock first. The replica that gets the job's lock copies the failed attempt
 -- to scheduler_attempts and starts the next one on the tick's own row (a new run_id); a
 -- lock held elsewhere leaves the tick waiting, which is no skip. SKIP LOCKED and the
@@ -442,7 +442,7 @@ DECLARE
     v_taken integer[] := '{}';
 BEGIN
     FOR r IN SELECT t.job_key, t.scheduled_at FROM scheduler_ticks t
-              WHERE t.status = 'retrying' AND t.retry_at <= now() AND t.job_key = ANY (p_keys)
+              WHERE t.retry_at <= now() AND t.status = 'failed' AND t.job_key = ANY (p_keys)
                 AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)
               ORDER BY t.scheduled_at, t.job_key
                 FOR UPDATE OF t SKIP LOCKED
@@ -484,7 +484,7 @@ BEGIN
     attempt := NULL; crashed := NULL;
     SELECT extract(epoch FROM min(t.retry_at) - now()) INTO next_in
       FROM scheduler_ticks t
-     WHERE t.status = 'retrying' AND t.job_key = ANY (p_keys)
+     WHERE t.retry_at IS NOT NULL AND t.status = 'failed' AND t.job_key = ANY (p_keys)
        AND NOT (t.job_key = ANY (v_taken))
        AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key);
     RETURN NEXT;
@@ -502,14 +502,15 @@ CREATE TYPE scheduler_done AS (
     next_due    timestamptz,
     finished_at timestamptz,
     recorded    boolean,   -- this call recorded it now
-    repeated    boolean    -- an earlier call recorded it (its answer was lost)
+    repeated    boolean,   -- an earlier call recorded it (its answer was lost)
+    retrying    boolean    -- a failed attempt with another to come: not the tick's end
 );
 
 -- Step 1. Record: a conditional update, in the common order. Only a row that is still
 -- `running` with this run_id is this run's: a stale run (its replica froze and lost the
 -- lock) finds its row already `crashed` and changes nothing. A finish sent again after a
 -- lost answer finds its own final status there, and says so (`repeated`). A failed
--- attempt with another to come is recorded `retrying`, due `p_retry_in` seconds from now.
+-- attempt with another to come (`p_retry_in` seconds from now) gets its `retry_at`.
 CREATE FUNCTION scheduler_record_finishes(
     p_keys integer[], p_ticks timestamptz[], p_run_ids bigint[], p_statuses text[],
     p_errors text[], p_told text[], p_durations double precision[],
@@ -541,7 +542,8 @@ BEGIN
         RETURNING r.job_key, r.scheduled_at, r.finished_at
     )
     SELECT x.key, x.tick, x.run_id, x.status, x.error, x.threshold, x.next_due,
-           x.finished_at, x.recorded, NOT x.recorded AND x.finished_at IS NOT NULL
+           x.finished_at, x.recorded, NOT x.recorded AND x.finished_at IS NOT NULL,
+           x.retry_in IS NOT NULL
       FROM (SELECT f.*, done.job_key IS NOT NULL AS recorded,
                    CASE WHEN done.job_key IS NOT NULL THEN done.finished_at ELSE (
                        SELECT again.finished_at FROM scheduler_ticks again
@@ -557,6 +559,7 @@ $$;
 -- reaches the threshold in force; a success ends it (one recovery notice if it had
 -- alerted). A run that ends before its job's next tick is due keeps up: it ends an
 -- overrun, and an overrun that had raised a skip alert gets its one recovery notice.
+-- A failed attempt with another to come changes no streak: it is not the tick's end.
 CREATE FUNCTION scheduler_finish_streaks(p_instance text, p_done scheduler_done[])
 RETURNS TABLE (key integer, tick timestamptz, failures integer, alert boolean,
                  recovered boolean, skips_recovered boolean, notices bigint[])
@@ -567,12 +570,14 @@ BEGIN
     SELECT d.key, (SELECT r.job_name FROM scheduler_ticks r
                     WHERE r.job_key = d.key AND r.scheduled_at = d.tick), now()
       FROM unnest(p_done) d
-     WHERE d.recorded AND d.status = 'failed'
+     WHERE d.recorded AND d.status = 'failed' AND NOT d.retrying
      ORDER BY d.key
     ON CONFLICT DO NOTHING;
     RETURN QUERY
     WITH d AS (
-        SELECT d.*, d.status IN ('succeeded', 'failed')
+        SELECT d.key, d.tick, d.run_id, d.error, d.threshold, d.next_due, d.finished_at,
+               CASE WHEN d.retrying THEN 'retrying' ELSE d.status END AS status,
+               d.status IN ('succeeded', 'failed') AND NOT d.retrying
                    AND (d.next_due IS NULL OR d.finished_at <= d.next_due) AS kept_up
           FROM unnest(p_done) d
          WHERE d.recorded

@@ -30,7 +30,7 @@ SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
 -- and for the next retry of a job that is not paused (seconds from now).
 SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL),
        (SELECT extract(epoch FROM min(t.retry_at) - now()) FROM scheduler_ticks t
-         WHERE t.status = 'retrying'
+         WHERE t.retry_at IS NOT NULL AND t.status = 'failed'
            AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key))
 
 -- name: held_locks

@@ -109,7 +109,7 @@ def _rebuild_sqlite_ticks(conn: Connection) -> None:
     )
     conn.exec_driver_sql("DROP TABLE scheduler_ticks_old")
     conn.execute(ledger.RUNNING_INDEX)
-    conn.execute(ledger.RETRYING_INDEX)
+    conn.execute(ledger.RETRY_INDEX)
 
 
 def _v4_pauses(conn: Connection) -> None:
@@ -140,7 +140,7 @@ def _v5_drift(conn: Connection) -> None:
 
 
 def _v6_retries_and_catch_up(conn: Connection) -> None:
-    """A tick's attempts (job `retries`), the `retrying` status, caught-up ticks."""
+    """A tick's attempts (job `retries`) and when its next is due; caught-up ticks."""
     ledger.attempts.create(conn, checkfirst=True)
     timestamp = "TIMESTAMP WITH TIME ZONE" if conn.dialect.name == "postgresql" else "DATETIME"
     columns = (
@@ -152,8 +152,7 @@ def _v6_retries_and_catch_up(conn: Connection) -> None:
     for column, kind in columns:
         if column not in found:
             conn.exec_driver_sql(f"ALTER TABLE scheduler_ticks ADD COLUMN {column} {kind}")
-    _allow_statuses(conn, "'retrying'")
-    conn.execute(ledger.RETRYING_INDEX)
+    conn.execute(ledger.RETRY_INDEX)
 
 
 def _v2_lean_claims(conn: Connection) -> None:

@@ -38,7 +38,7 @@ the names given here (PostgreSQL: `backends/postgres.sql`; one host:
    is updated only if it is still `running` with this run_id (a stale run
    never overwrites what replaced it); the failure streak and the skip
    overrun are settled; then the lock is released. A failed attempt of a
-   job with `retries` left is recorded `retrying`, due after its delay;
+   job with `retries` left is recorded `failed` with when the next is due;
    the failure streak counts only a tick's final attempt.
    Retries (`scheduler_claim_retries`): any replica with a free worker takes
    a due retry like a manual run, lock first (held elsewhere: it waits, no

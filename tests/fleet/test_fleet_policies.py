@@ -48,7 +48,9 @@ def failure_streak(fleet: Fleet, key: int) -> int:
 
 def final(fleet: Fleet, job: str) -> dict[datetime, dict]:
     return {
-        r["scheduled_at"]: r for r in fleet.ledger(job) if r["status"] in ("succeeded", "failed")
+        r["scheduled_at"]: r
+        for r in fleet.ledger(job)
+        if r["status"] == "succeeded" or (r["status"] == "failed" and r["retry_at"] is None)
     }
 
 

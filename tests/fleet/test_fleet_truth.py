@@ -75,7 +75,7 @@ def test_a_run_that_stops_when_told_is_recorded_interrupted(tmp_path, database_u
         with psycopg.connect(database_url, autocommit=True) as admin:  # its session is killed
             admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = 'r1'"
+                " WHERE application_name = 'r1' AND datname = current_database()"
             )
         second = wait_for(
             lambda: [e for e in fleet.starts() if e["run_id"] != first["run_id"]],

@@ -54,7 +54,8 @@ def test_a_killed_lock_session_sets_lock_lost_and_the_gate_reconnects(gate_facto
     run = next(iter(gate._runs.values()))
     with psycopg.connect(database_url, autocommit=True) as admin:
         admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'g1'"
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'g1' AND datname = current_database()"
         )
     settle(gate, lambda: seen.of(events.LockSessionLost), "the lost session to be noticed")
     assert run.ctx.lock_lost.is_set()

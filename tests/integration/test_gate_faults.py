@@ -42,7 +42,8 @@ def test_a_tick_of_a_job_still_running_on_a_lost_session_is_recorded_skipped(
     settle(gate, lambda: seen.of(events.RunStarted), "the run to start")
     with psycopg.connect(database_url, autocommit=True) as admin:
         admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'g1'"
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'g1' AND datname = current_database()"
         )
     settle(gate, lambda: seen.of(events.LockSessionLost) and gate.connected, "a new session")
     later = now_tick()

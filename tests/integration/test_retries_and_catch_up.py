@@ -19,7 +19,7 @@ def fail_attempt(backend, result, retry_in: float | None, error: str = "boom"):
         key=result.key,
         scheduled_at=result.scheduled_at,
         run_id=result.run_id,
-        status="retrying" if retry_in is not None else "failed",
+        status="failed",
         error=error,
         unlock=True,
         fail_threshold=2,
@@ -54,7 +54,8 @@ def test_a_failed_attempt_is_retried_once_for_the_fleet_and_its_attempts_are_kep
     first = claim(a, at)
     assert first.outcome is Outcome.RUN and first.attempt == 1
     assert fail_attempt(a, first, retry_in=0.0).recorded
-    assert row(a, at)["status"] == "retrying" and streak(a) == 0  # not a failure yet
+    assert row(a, at)["status"] == "failed" and row(a, at)["retry_at"] is not None
+    assert streak(a) == 0  # not the tick's end: no failure yet
 
     # Both replicas look at once: exactly one takes attempt 2.
     found_b, found_a = retries(b), retries(a)
@@ -96,7 +97,7 @@ def test_a_retry_waits_while_the_jobs_lock_is_held_and_is_no_skip(backends):
     assert holder.outcome is Outcome.RUN
     found = retries(a)
     assert found.started == [] and found.next_in is not None and found.next_in <= 0
-    assert row(a, old)["status"] == "retrying"
+    assert row(a, old)["status"] == "failed" and row(a, old)["retry_at"] is not None
     finish(b, holder)
     (taken,) = retries(a).started
     assert taken.scheduled_at == old and taken.attempt == 2
@@ -193,16 +194,15 @@ def test_history_pages_show_attempts_without_a_query_per_row(backends):
 
 
 def _as_version_5(backend) -> None:
-    """What a version-5 ledger looked like: no attempts, no `retrying` status."""
+    """What a version-5 ledger looked like: no attempts, no retry_at."""
     engine = backend.ledger_engine
     with engine.begin() as conn:
         conn.exec_driver_sql("DROP TABLE scheduler_attempts")
-        conn.exec_driver_sql("DROP INDEX scheduler_ticks_retrying")
+        conn.exec_driver_sql("DROP INDEX scheduler_ticks_retry_at")
         if conn.dialect.name == "postgresql":
             conn.exec_driver_sql(
                 "ALTER TABLE scheduler_ticks DROP COLUMN attempt, DROP COLUMN retry_at,"
-                " DROP COLUMN caught_up, DROP CONSTRAINT scheduler_ticks_status,"
-                " ADD CONSTRAINT scheduler_ticks_status CHECK (status <> 'retrying')"
+                " DROP COLUMN caught_up"
             )
         else:
             made = conn.exec_driver_sql(
@@ -213,7 +213,7 @@ def _as_version_5(backend) -> None:
                 for line in made.splitlines()
                 if not line.strip().startswith(("attempt ", "retry_at ", "caught_up "))
             ]
-            old = "\n".join(kept).replace(", 'retrying'", "")
+            old = "\n".join(kept)
             conn.exec_driver_sql("ALTER TABLE scheduler_ticks RENAME TO t_new")
             conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_scheduled_at")
             conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_running")
@@ -221,7 +221,7 @@ def _as_version_5(backend) -> None:
             names = "job_key, scheduled_at, job_name, status, instance, run_id, started_at"
             conn.exec_driver_sql(f"INSERT INTO scheduler_ticks ({names}) SELECT {names} FROM t_new")
             conn.exec_driver_sql("DROP TABLE t_new")
-            assert "'retrying'" not in old and "attempt" not in old
+            assert "attempt" not in old and "retry_at" not in old
         conn.exec_driver_sql("DELETE FROM scheduler_schema")
         conn.exec_driver_sql(
             "INSERT INTO scheduler_schema (version, applied_at) VALUES (5, CURRENT_TIMESTAMP)"
