@@ -85,6 +85,11 @@ class Pair:
             f"/{database}?target_session_attrs=read-write"
         )
 
+    def standby_url(self, database: str = "postgres") -> str:
+        """The standby alone (after the failover: the new primary alone)."""
+        assert self.standby is not None
+        return self.standby.url(database)
+
     def wait_streaming(self, timeout: float = 60) -> None:
         """The standby streams from the primary (and, if synchronous, is its sync standby)."""
         import psycopg
@@ -100,10 +105,15 @@ class Pair:
                     raise AssertionError(f"the standby is not streaming ({wanted}): {rows}")
                 time.sleep(0.1)
 
-    def fail_over(self) -> None:
-        """The primary dies at once (no checkpoint, no goodbye); the standby is promoted."""
+    def fail_over(self, detection_s: float = 0.0) -> None:
+        """The primary dies at once (no checkpoint, no goodbye); the standby is promoted.
+
+        `detection_s`: how long no node takes writes in between, as while a
+        failover manager decides (Patroni, pg_auto_failover take seconds).
+        """
         assert self.standby is not None
         self.primary.stop("immediate")
+        time.sleep(detection_s)
         self.standby.promote()
 
     def remove(self) -> None:

@@ -1,0 +1,15 @@
+"""Jobs of test_failover.py: a tick every second, and a run that lasts through the failover."""
+
+from _evidence import exclusive
+
+from scheduler import RunContext, job
+
+
+@job(key=61)
+def every_second(ctx: RunContext) -> None:
+    exclusive(ctx, 0.001)
+
+
+@job(key=62)
+def long_run(ctx: RunContext) -> None:
+    exclusive(ctx, 6)
