@@ -105,6 +105,19 @@ class Pair:
                     raise AssertionError(f"the standby is not streaming ({wanted}): {rows}")
                 time.sleep(0.1)
 
+    def replay_lag(self) -> tuple[int, float]:
+        """How far the standby is behind: WAL bytes not yet replayed, and replay_lag in seconds."""
+        import psycopg
+
+        with psycopg.connect(self.primary.url(), autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT coalesce(max(pg_current_wal_lsn() - replay_lsn), 0)::bigint,"
+                " coalesce(extract(epoch FROM max(replay_lag)), 0)::float8"
+                " FROM pg_stat_replication"
+            ).fetchone()
+        assert row is not None
+        return int(row[0]), float(row[1])
+
     def fail_over(self, detection_s: float = 0.0) -> None:
         """The primary dies at once (no checkpoint, no goodbye); the standby is promoted.
 
