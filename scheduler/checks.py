@@ -20,6 +20,7 @@ from scheduler.backends.pg_nodes import describe_node, node_conninfos, replicati
 from scheduler.backends.pg_session import (
     POOLER_MESSAGE,
     NotPrimary,
+    explain,
     node_of,
     refuse_standby,
     session_is_kept,
@@ -44,7 +45,7 @@ def database_checks(url: str, instance: str, schema: str = "public") -> list[Che
     secrets = database_url_secrets(url)
 
     def failure(exc: BaseException) -> str:
-        return scrub(one_line(exc), secrets)
+        return scrub(explain(one_line(exc)), secrets)
 
     try:
         conn = short_connection(url, instance)

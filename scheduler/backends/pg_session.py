@@ -44,13 +44,17 @@ def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, An
 
     `target_session_attrs=read-write` (unless the URL sets it): of the hosts of
     a multi-host URL, libpq takes the first that accepts writes, at every
-    (re)connection, so a replica follows the primary through a failover.
+    (re)connection, so a replica follows the primary through a failover. With
+    several hosts each gets a tenth of holder_timeout to answer, not a third:
+    a dead one that drops packets (not refusing) delays each attempt that much.
     """
-    given = parse_database_url(url).option_names
+    parts = parse_database_url(url)
+    given = parts.option_names
+    share = 10 if parts.host_count > 1 else 3
     wanted: dict[str, Any] = {
         "application_name": instance,
         "target_session_attrs": "read-write",
-        "connect_timeout": max(2, math.ceil(holder_timeout / 3)),
+        "connect_timeout": max(2, math.ceil(holder_timeout / share)),
         "keepalives": 1,
         "keepalives_idle": max(1, math.ceil(holder_timeout / 3)),
         "keepalives_interval": max(1, math.ceil(holder_timeout / 9)),
@@ -80,6 +84,17 @@ def psycopg_engine(url: str, args: dict[str, Any], **options: Any) -> Engine:
             context.is_disconnect = True
 
     return engine
+
+
+# libpq's words when every host it tried refused writes (target_session_attrs).
+_NO_WRITABLE_HOST = ("session is read-only", "server is in hot standby mode")
+
+
+def explain(message: str) -> str:
+    """A driver's one-line error, with what libpq's refusal of a standby means here."""
+    if any(marker in message for marker in _NO_WRITABLE_HOST):
+        return f"{message} (no host of the URL is a writable primary: waiting for one)"
+    return message
 
 
 class NotPrimary(psycopg.OperationalError):

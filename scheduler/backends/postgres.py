@@ -42,6 +42,7 @@ from scheduler.backends.pg_session import (
     POOLER_MESSAGE,
     connect_args,
     ends_session,
+    explain,
     is_permanent,
     node_of,
     psycopg_engine,
@@ -138,7 +139,7 @@ class PostgresBackend:
 
     def say(self, exc: BaseException) -> str:
         """A driver's error in one line, with no part of any password in it."""
-        return scrub(one_line(exc), self.secrets)
+        return scrub(explain(one_line(exc)), self.secrets)
 
     def _ledger_session_settings(self, dbapi_connection: Any, _record: Any) -> None:
         """A replica frozen mid-transaction must not hold ledger rows for long.
