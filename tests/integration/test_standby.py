@@ -9,6 +9,8 @@ ledger session on it is dropped. A primary and a standby of the test's own.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -74,6 +76,23 @@ def test_a_standby_listed_first_is_passed_over_for_the_primary(pair, backends):
     with psycopg.connect(pair.primary.url(), autocommit=True) as admin:
         names = {n for (n,) in admin.execute("SELECT application_name FROM pg_stat_activity")}
     assert "first-is-standby" in names
+
+
+def test_a_dead_host_that_drops_packets_costs_a_tenth_of_holder_timeout(pair, backends):
+    # A listening socket that never answers: the connection opens, the server never speaks.
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        dead.listen(8)
+        url = (
+            f"postgresql://postgres@127.0.0.1:{dead.getsockname()[1]},"
+            f"127.0.0.1:{pair.primary.port}/postgres"
+        )
+        backend = backends(url, "past-a-dead-host")
+        started = time.monotonic()
+        backend.connect()
+        took = time.monotonic() - started
+    assert took < 8, f"took {took:.1f} s past the dead host (a third of 30 s would be 10)"
+    assert server_port(backend) == pair.primary.port
 
 
 def test_a_standby_alone_is_refused_by_name(pair, backends):

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from scheduler.backends.pg_nodes import node_conninfos, node_label, replication
-from scheduler.backends.pg_session import connect_args
+from scheduler.backends.pg_session import connect_args, explain
 from scheduler.urls import database_url_secrets, redact_database_url, scrub
 
 MULTI = "postgresql://u:s3cr3tpw@a.example:5432,[::1]:5433,c/db?target_session_attrs=read-write"
@@ -18,6 +18,28 @@ def test_a_replica_asks_libpq_for_the_writable_node_unless_the_url_says_otherwis
     assert connect_args("r1", 30, "postgresql://u@a,b/db")["target_session_attrs"] == "read-write"
     given = connect_args("r1", 30, "postgresql://u@a,b/db?target_session_attrs=primary")
     assert "target_session_attrs" not in given  # libpq reads the URL's own
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts"),
+    [
+        ("postgresql://u@a/db", 1),
+        ("postgresql://u@/db", 1),
+        ("postgresql://u@a:1,b:2,c/db", 3),
+        ("postgresql://u@/db?host=a,b&port=1,2", 2),
+        ("postgresql://u@/db?hostaddr=10.0.0.1%2C10.0.0.2", 2),
+    ],
+)
+def test_a_dead_host_among_several_costs_each_connection_attempt_little(url, hosts):
+    timeout = connect_args("r1", 30, url)["connect_timeout"]
+    assert timeout == (3 if hosts > 1 else 10)
+    assert connect_args("r1", 6, url)["connect_timeout"] == 2  # libpq's shortest
+
+
+def test_a_refusal_of_every_host_as_read_only_says_what_it_means():
+    libpq = 'connection to server at "10.0.0.2", port 5432 failed: session is read-only'
+    assert explain(libpq).endswith("(no host of the URL is a writable primary: waiting for one)")
+    assert explain("Connection refused") == "Connection refused"
 
 
 def test_each_host_of_a_multi_host_url_is_reached_on_its_own():
