@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -117,23 +117,40 @@ def test_an_old_primary_fenced_read_only_is_left_at_the_next_heartbeat_or_write(
     assert server_port(quiet) == pair.primary.port  # a pooled ledger session, kept
     fence(url, True)
     try:
-        with pytest.raises(SessionLost, match="no longer takes writes"):
-            quiet.heartbeat()
+        # A session applies the reload between two statements: one more may still pass.
+        lost = until_raised(SessionLost, quiet.heartbeat)
+        assert "no longer takes writes" in str(lost)
         tick = datetime.now(UTC).replace(microsecond=0)
-        request = ClaimRequest(
-            key=1, name="fenced", scheduled_at=tick, intent=Intent.RUN, grace_s=30, skip_threshold=3
+        claims = (
+            [ClaimRequest(1, "fenced", tick + timedelta(seconds=i), Intent.RUN, 30, 3)]
+            for i in range(1000)
         )
-        with pytest.raises(SessionLost):
-            claiming.claim([request], "claiming", capacity=1)
+        until_raised(SessionLost, lambda: claiming.claim(next(claims), "claiming", capacity=1))
         with pytest.raises(Unavailable, match="read-only"):
             quiet.connect()
-        with pytest.raises(DBAPIError, match="read-only"), quiet.ledger_engine.begin() as conn:
-            conn.execute(text("CREATE TEMPORARY TABLE t (a int)"))
+        until_raised(DBAPIError, lambda: write(quiet))
         # The pooled session that met the read-only error was dropped, not kept.
         with pytest.raises(OperationalError, match="read-only"):
             server_port(quiet)
     finally:
         fence(url, False)
+
+
+def write(backend: PostgresBackend) -> None:
+    with backend.ledger_engine.begin() as conn:
+        conn.execute(text("CREATE TEMPORARY TABLE t (a int) ON COMMIT DROP"))
+
+
+def until_raised(kind: type[BaseException], call: Callable[[], object]) -> BaseException:
+    """Call until it raises `kind` (within 10 s); the reload reaches each session in turn."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            call()
+        except kind as exc:
+            return exc
+        time.sleep(0.05)
+    raise AssertionError(f"{call} never raised {kind.__name__}")
 
 
 def fence(url: str, read_only: bool) -> None:
