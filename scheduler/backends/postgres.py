@@ -162,6 +162,10 @@ class PostgresBackend:
 
     def connect(self) -> None:
         self.close()
+        # The ledger sessions lived on the lock session's node: after a lost session
+        # (a failover, a restart) they are opened anew, on whichever node is primary now,
+        # rather than each failing once on its first use.
+        self.ledger_engine.dispose()
         try:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except SQLAlchemyError as exc:
