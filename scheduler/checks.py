@@ -50,7 +50,10 @@ def database_checks(url: str, instance: str, schema: str = "public") -> list[Che
     try:
         conn = short_connection(url, instance)
     except Exception as exc:
-        return [Check("connect", False, f"{shown}: {failure(exc)}"), *_node_checks(url, instance)]
+        # Which host is what, when there are several or the one there is refused writes.
+        several, line = len(_nodes(url)) > 1, one_line(exc)
+        nodes = _node_checks(url, instance) if several or explain(line) != line else []
+        return [Check("connect", False, f"{shown}: {failure(exc)}"), *nodes]
     checks = [Check("connect", True, f"{shown} (on {node_of(conn)})")]
     if len(_nodes(url)) > 1:
         checks += _node_checks(url, instance)
@@ -120,17 +123,12 @@ def _nodes(url: str) -> list[dict[str, Any]]:
 
 
 def _node_checks(url: str, instance: str) -> list[Check]:
-    """One line per host of the URL, reached on its own: which is the primary, which not.
-
-    With a single host that did not answer, the connect line said it all already.
-    """
+    """One line per host of the URL, reached on its own: which is the primary, which not."""
     secrets = database_url_secrets(url)
-    nodes = _nodes(url)
     lines = []
-    for params in nodes:
+    for params in _nodes(url):
         node = describe_node(params, instance)
-        if node.answered or len(nodes) > 1:
-            lines.append(Check("node", node.primary, scrub(node.detail, secrets), fatal=False))
+        lines.append(Check("node", node.primary, scrub(node.detail, secrets), fatal=False))
     return lines
 
 

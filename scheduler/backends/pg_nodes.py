@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from scheduler.backends.pg_session import NotPrimary, refuse_standby
 from scheduler.urls import libpq_url
 
 _PER_HOST = ("host", "hostaddr", "port")  # libpq's comma-separated lists, one item a host
@@ -26,7 +27,6 @@ SYNCHRONOUS = ("on", "remote_apply", "remote_write")
 class Node:
     """One host of the URL as it answered on its own."""
 
-    answered: bool
     primary: bool
     detail: str
 
@@ -70,20 +70,12 @@ def describe_node(params: dict[str, Any], instance: str) -> Node:
         with psycopg.connect(
             autocommit=True, connect_timeout=5, application_name=instance, **params
         ) as conn:
-            row = conn.execute(
-                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'"
-            ).fetchone()
+            refuse_standby(conn)
+    except NotPrimary as exc:
+        return Node(False, str(exc))
     except psycopg.Error as exc:
-        return Node(False, False, f"{label}: unreachable ({_last_line(exc)})")
-    assert row is not None
-    in_recovery, read_only = row
-    if in_recovery:
-        return Node(
-            True, False, f"{label}: a standby (in recovery): locks and writes need the primary"
-        )
-    if read_only:
-        return Node(True, False, f"{label}: read-only (transaction_read_only on): not the primary")
-    return Node(True, True, f"{label}: the primary")
+        return Node(False, f"{label}: unreachable ({_last_line(exc)})")
+    return Node(True, f"{label} is the primary")
 
 
 def replication(conn: psycopg.Connection[Any]) -> Replication:

@@ -93,7 +93,7 @@ _NO_WRITABLE_HOST = ("session is read-only", "server is in hot standby mode")
 def explain(message: str) -> str:
     """A driver's one-line error, with what libpq's refusal of a standby means here."""
     if any(marker in message for marker in _NO_WRITABLE_HOST):
-        return f"{message} (no host of the URL is a writable primary: waiting for one)"
+        return f"{message} (no host of the URL is a writable primary)"
     return message
 
 
