@@ -17,8 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import psycopg
+
 from tests.clusters import Cluster, server_binaries
-from tests.support import free_port
+from tests.support import Proxy, free_port
 
 
 def _tools() -> Path:
@@ -29,9 +31,13 @@ def _tools() -> Path:
 
 
 class Standby(Cluster):
-    """A streaming standby of `primary`: `pg_basebackup -R`, then its own port and socket."""
+    """A streaming standby of `primary`: `pg_basebackup -R`, then its own port and socket.
 
-    def __init__(self, primary: Cluster, name: str = "standby") -> None:
+    `link`: the port the standby streams from, when not the primary's own (a
+    proxy that can hold the WAL back, as a slow or congested network does).
+    """
+
+    def __init__(self, primary: Cluster, name: str = "standby", link: int | None = None) -> None:
         self.bin = _tools()
         self.owner = primary.owner
         self.base = Path(tempfile.mkdtemp(prefix=f"scheduler-{name}-"))
@@ -50,6 +56,12 @@ class Standby(Cluster):
                 f"port = {self.port}\nunix_socket_directories = '{self.base}'\n"
                 f"cluster_name = '{name}'\n"
             )
+        if link is not None:  # after -R's own line in postgresql.auto.conf: the last one counts
+            with open(self.data / "postgresql.auto.conf", "a") as conf:
+                conf.write(
+                    f"primary_conninfo = 'host=127.0.0.1 port={link} user=postgres "
+                    f"application_name={name}'\n"
+                )
 
     def promote(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-w", "promote")
@@ -62,9 +74,11 @@ class Pair:
         self.synchronous = synchronous
         self.primary = Cluster("primary")
         self.standby: Standby | None = None
+        self.link: Proxy | None = None  # the WAL's way from the primary to the standby
         try:
             self.primary.start()
-            self.standby = Standby(self.primary)
+            self.link = Proxy("127.0.0.1", self.primary.port)
+            self.standby = Standby(self.primary, link=self.link.port)
             if synchronous:
                 # Set after the base backup: the standby, once promoted, must not
                 # wait for a standby of its own that does not exist.
@@ -92,8 +106,6 @@ class Pair:
 
     def wait_streaming(self, timeout: float = 60) -> None:
         """The standby streams from the primary (and, if synchronous, is its sync standby)."""
-        import psycopg
-
         wanted = "sync" if self.synchronous else "async"
         deadline = time.monotonic() + timeout
         with psycopg.connect(self.primary.url(), autocommit=True) as conn:
@@ -107,8 +119,6 @@ class Pair:
 
     def replay_lag(self) -> tuple[int, float]:
         """How far the standby is behind: WAL bytes not yet replayed, and replay_lag in seconds."""
-        import psycopg
-
         with psycopg.connect(self.primary.url(), autocommit=True) as conn:
             row = conn.execute(
                 "SELECT coalesce(max(pg_current_wal_lsn() - replay_lsn), 0)::bigint,"
@@ -117,6 +127,11 @@ class Pair:
             ).fetchone()
         assert row is not None
         return int(row[0]), float(row[1])
+
+    def hold_wal(self) -> None:
+        """From now on the WAL does not reach the standby (the primary does not wait for it)."""
+        assert self.link is not None
+        self.link.cut()
 
     def fail_over(self, detection_s: float = 0.0) -> None:
         """The primary dies at once (no checkpoint, no goodbye); the standby is promoted.
@@ -130,6 +145,8 @@ class Pair:
         self.standby.promote()
 
     def remove(self) -> None:
+        if self.link is not None:
+            self.link.close()
         for node in (self.standby, self.primary):
             if node is not None:
                 node.remove()  # never raises: a stop that fails leaves nothing to stop

@@ -1,17 +1,17 @@
 """A PostgreSQL primary fails over to its standby under a running fleet (README: Failover).
 
 Each test builds its own primary and standby (tests/fleet/replication.py), starts
-three replicas with a multi-host URL, a job every second and a long run, kills
-the primary (`pg_ctl stop -m immediate`) and promotes the standby. Every replica
-follows the primary without a restart and claims again within seconds; the long
-run is told its lock is lost; the ledger on the new primary explains every tick.
-With synchronous replication no tick runs twice; with asynchronous replication
-the ticks that ran twice are counted and reported (README's window).
+three replicas with a multi-host URL, jobs every second and a long run, kills
+the primary (`pg_ctl stop -m immediate`) right after a claim, and promotes the
+standby. Every replica follows the primary without a restart and claims again
+within seconds; the long run is told its lock is lost; the ledger on the new
+primary explains every tick. With synchronous replication no tick runs twice;
+with asynchronous replication, the WAL held back for the last seconds, the
+ticks that ran twice are counted and reported (README's window).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import urllib.error
@@ -36,10 +36,19 @@ from tests.support import Fleet, cli, free_port, make_job, parse_tick, wait_for,
 # `-m "not failover"` leaves them out; without the server binaries they skip (CI: fail).
 pytestmark = [pytest.mark.fleet, pytest.mark.failover]
 
-JOBS = ["failover.py"]  # every_second (1 ms), long_run (6 s)
+JOBS = ["failover.py"]  # every_second, each_second (1 ms), long_run (6 s)
+# every_second: catch_up off (the newest tick fired during the switch runs, the sweep
+# records the others missed); each_second: catch_up all (each of them runs).
+SCHEDULES = {
+    "every_second": {"interval": "1s"},
+    "each_second": {"interval": "1s", "catch_up": "all"},
+    "long_run": {"interval": "2s"},
+}
 REPLICAS = ("r1", "r2", "r3")
 RESUME_WITHIN_S = 10
 SWITCH_S = 2  # no node takes writes for this long: ticks fall due with no primary
+# Asynchronous: the WAL of this many seconds before the failover is lost (0: none held).
+HELD_S = float(os.environ.get("FAILOVER_HOLD_WAL_S", "2"))
 
 
 @pytest.fixture
@@ -67,9 +76,10 @@ class Failover:
 
     fleet: Fleet
     failed_at: float  # the primary was stopped
+    held_at: float | None  # the WAL stopped reaching the standby (asynchronous test)
     promoted_at: float  # the standby answered as the primary
     resumed_at: float  # the first run claimed on the new primary started
-    lag: tuple[int, float]  # the standby's replay lag a moment before: WAL bytes, seconds
+    lag: tuple[int, float]  # the standby's replay lag just before: WAL bytes, seconds
     long_run: dict[str, Any]  # the start of the run that was going at the failover
     ledger: list[dict[str, Any]]
 
@@ -78,33 +88,25 @@ class Failover:
         return self.resumed_at - self.failed_at
 
     def runs(self, job: str) -> list[dict[str, Any]]:
-        return [e for e in self.fleet.starts() if e["job"] == job]
+        return _runs(self.fleet, job)
 
-    def twice(self) -> dict[datetime, int]:
-        counts = Counter(parse_tick(e["tick"]) for e in self.runs("every_second"))
+    def twice(self, job: str) -> dict[datetime, int]:
+        counts = Counter(parse_tick(e["tick"]) for e in self.runs(job))
         return {tick: n for tick, n in counts.items() if n > 1}
 
-    def window(self) -> list[datetime]:
-        """The ticks of every_second from its first run to shortly before the fleet stopped."""
-        ticks = sorted(parse_tick(e["tick"]) for e in self.runs("every_second"))
+    def window(self, job: str) -> list[datetime]:
+        """The job's ticks from its first run to its last, shortly before the fleet stopped."""
+        ticks = sorted(parse_tick(e["tick"]) for e in self.runs(job))
         return whole_seconds(ticks[0], ticks[-1])
 
 
-def fail_over_under_a_fleet(tmp_path, pair: Pair, catch_up: str = "off") -> Failover:
+def fail_over_under_a_fleet(tmp_path, pair: Pair, hold_wal_s: float = 0) -> Failover:
     """Three replicas, a failover, a few more seconds; every replica stops cleanly.
 
-    `catch_up` of every_second: `off`, the newest tick fired during the switch
-    runs and the sweep records the others missed; `all`, each of them runs.
+    `hold_wal_s`: for that long before the primary dies, its WAL does not reach
+    the standby (asynchronous replication only: a synchronous primary would wait).
     """
-    fleet = Fleet(
-        tmp_path,
-        pair.url(),
-        {
-            "every_second": {"interval": "1s", "catch_up": catch_up},
-            "long_run": {"interval": "2s"},
-        },
-        job_files=JOBS,
-    )
+    fleet = Fleet(tmp_path, pair.url(), SCHEDULES, job_files=JOBS)
     for name in REPLICAS:
         fleet.start(name)
     try:
@@ -112,6 +114,11 @@ def fail_over_under_a_fleet(tmp_path, pair: Pair, catch_up: str = "off") -> Fail
         pids = {name: replica.pid for name, replica in fleet.replicas.items()}
         long_run = wait_for(lambda: _runs(fleet, "long_run"), 30, "the long run to start")[0]
         wait_for(lambda: len(_runs(fleet, "every_second")) >= 3, 30, "a few ticks")
+        held_at = None
+        if hold_wal_s:
+            pair.hold_wal()
+            held_at = time.time()
+            time.sleep(hold_wal_s)
         lag = pair.replay_lag()
         # The primary dies right after a claim: the worst moment for the last commits.
         seen = len(_runs(fleet, "every_second"))
@@ -141,7 +148,7 @@ def fail_over_under_a_fleet(tmp_path, pair: Pair, catch_up: str = "off") -> Fail
     finally:
         fleet.kill_all()
     assert codes == dict.fromkeys(REPLICAS, 0), fleet.logs()
-    failover = Failover(fleet, failed_at, promoted_at, resumed[0]["at"], lag, long_run, [])
+    failover = Failover(fleet, failed_at, held_at, promoted_at, resumed[0]["at"], lag, long_run, [])
     record_missed_ticks(failover, pair.url())
     failover.ledger = fleet.ledger()
     return failover
@@ -162,14 +169,16 @@ def _sessions_on(url: str) -> set[str]:
     return {name for (name,) in rows}
 
 
-def assert_ledger_explains_every_tick(failover: Failover, ran_twice_allowed: bool) -> None:
+def assert_ledger_explains_every_tick(
+    failover: Failover, job: str, ran_twice_allowed: bool
+) -> None:
     """Each tick of the window has its row on the new primary, and the row says what ran."""
-    rows = {r["scheduled_at"]: r for r in failover.ledger if r["job_name"] == "every_second"}
+    rows = {r["scheduled_at"]: r for r in failover.ledger if r["job_name"] == job}
     runs: dict[datetime, list[int]] = {}
-    for e in failover.runs("every_second"):
+    for e in failover.runs(job):
         runs.setdefault(parse_tick(e["tick"]), []).append(e["run_id"])
     logs = failover.fleet.logs()
-    for tick in failover.window():
+    for tick in failover.window(job):
         row = rows.get(tick)
         assert row is not None, f"{tick}: no row on the new primary\n{logs}"
         ran = runs.get(tick, [])
@@ -190,7 +199,7 @@ def record_missed_ticks(failover: Failover, url: str) -> int:
     away (README: Faults); the ticks before it are recorded `missed` by the sweep
     after `misfire_grace`, which the test does not wait for.
     """
-    window = failover.window()
+    window = failover.window("every_second")
     job = make_job(61, lambda ctx: None, name="every_second")
     backend = PostgresBackend(url, instance="sweep", namespace=1, holder_timeout=30)
     keeper = Housekeeping(backend, Catalog((job,)), Settings(instance_name="sweep"))
@@ -203,12 +212,12 @@ def record_missed_ticks(failover: Failover, url: str) -> int:
         backend.ledger_engine.dispose()
 
 
-def assert_only_the_switch_missed(failover: Failover) -> None:
+def assert_only_the_switch_missed(failover: Failover, job: str) -> None:
     """Ticks recorded missed fell due while no node took writes, or before replicas were back."""
     missed = [
         r["scheduled_at"]
         for r in failover.ledger
-        if r["job_name"] == "every_second" and r["status"] == "missed"
+        if r["job_name"] == job and r["status"] == "missed"
     ]
     outside = [
         t for t in missed if not failover.failed_at - 1 < t.timestamp() < failover.resumed_at
@@ -231,15 +240,17 @@ def test_a_failover_with_synchronous_replication_runs_no_tick_twice(tmp_path, pa
     assert report.returncode == 0, report.stdout + report.stderr
     assert line_of(report.stdout, "replication").split()[1:3] == ["ok", "synchronous"]
 
-    failover = fail_over_under_a_fleet(tmp_path / "fleet", sync_pair, catch_up="all")
+    failover = fail_over_under_a_fleet(tmp_path / "fleet", sync_pair)
     print(f"synchronous replication: claiming resumed {failover.resumed_in():.1f} s after")
 
-    assert not failover.twice(), f"ticks run twice: {failover.twice()}\n{failover.fleet.logs()}"
-    assert_ledger_explains_every_tick(failover, ran_twice_allowed=False)
+    for job in ("every_second", "each_second"):
+        assert not failover.twice(job), f"{job} ran twice: {failover.twice(job)}"
+        assert_ledger_explains_every_tick(failover, job, ran_twice_allowed=False)
+    assert_only_the_switch_missed(failover, "every_second")
+    missed = [r for r in failover.ledger if r["status"] == "missed"]
+    assert all(r["job_name"] == "every_second" for r in missed), f"caught up: {missed}"
     before, after = run_ids_across(failover)
     assert after > before, f"run_id went back across the failover: {before} then {after}"
-    missed = [r for r in failover.ledger if r["status"] == "missed"]
-    assert not missed, f"with catch_up: all every tick of the switch runs: {missed}"
     tick = parse_tick(failover.long_run["tick"])
     row = next(
         r for r in failover.ledger if r["job_name"] == "long_run" and r["scheduled_at"] == tick
@@ -258,26 +269,39 @@ def test_a_failover_with_asynchronous_replication_counts_the_ticks_run_twice(
     assert report.returncode == 0, report.stdout + report.stderr
     assert line_of(report.stdout, "replication").split()[1:3] == ["warn", "asynchronous"]
 
-    failover = fail_over_under_a_fleet(tmp_path / "fleet", async_pair)
+    failover = fail_over_under_a_fleet(tmp_path / "fleet", async_pair, hold_wal_s=HELD_S)
 
-    twice = failover.twice()
-    assert_ledger_explains_every_tick(failover, ran_twice_allowed=True)
-    assert_only_the_switch_missed(failover)
+    lost_from = failover.held_at or failover.failed_at  # claims after this may be lost
+    counted = {}
+    for job in ("every_second", "each_second"):
+        twice = failover.twice(job)
+        # Only a claim lost with the WAL the standby never got can run again.
+        outside = [
+            t for t in twice if not failover.held_at - 1 < t.timestamp() < failover.failed_at
+        ]
+        assert not outside, f"{job}: ticks claimed outside the lost WAL ran twice: {outside}"
+        counted[job] = (len(twice), len(failover.window(job)))
+        record_property(f"{job}_ticks_run_twice", len(twice))
+    assert_ledger_explains_every_tick(failover, "each_second", ran_twice_allowed=True)
+    # every_second (catch_up off) does not run a lost tick again: the new primary has no
+    # record of that run, and the sweep records the tick missed.
+    forgotten = forgotten_runs(failover, "every_second")
+    assert all(lost_from - 1 < t.timestamp() < failover.failed_at for t in forgotten)
+    record_property("every_second_runs_forgotten", len(forgotten))
     before, after = run_ids_across(failover)
-    window = failover.window()
-    record_property("ticks_run_twice", len(twice))
-    record_property("ticks_in_window", len(window))
     print(
-        f"asynchronous replication: {len(twice)} of {len(window)} ticks ran twice "
-        f"across the failover; the standby was {failover.lag[0]} bytes and "
-        f"{failover.lag[1] * 1000:.1f} ms behind just before; "
-        f"run_id {before} before it, {after} after it; "
+        f"asynchronous replication, the WAL of the last {HELD_S:g} s held back "
+        f"({failover.lag[0]} bytes behind): ticks run twice / in the window: {counted}; "
+        f"every_second runs the new primary knows nothing of: {len(forgotten)}; "
+        f"run_id {before} before the failover, {after} after it; "
         f"claiming resumed {failover.resumed_in():.1f} s after the primary died"
     )
-    # Only a claim lost with the old primary's last WAL can run again: ticks of the
-    # failover itself, never those claimed on the new primary.
-    late = [t for t in twice if t.timestamp() > failover.promoted_at + 1]
-    assert not late, f"ticks claimed on the new primary ran twice: {late}"
+
+
+def forgotten_runs(failover: Failover, job: str) -> list[datetime]:
+    """Ticks that ran, though the new primary's ledger holds no row of that run."""
+    recorded = {r["run_id"] for r in failover.ledger if r["job_name"] == job and r["run_id"]}
+    return [parse_tick(e["tick"]) for e in failover.runs(job) if e["run_id"] not in recorded]
 
 
 def cli_check(tmp_path, url: str):
@@ -311,7 +335,6 @@ def assert_a_standby_is_refused(tmp_path, pair: Pair) -> None:
     finally:
         fleet.kill_all()
     assert "lock session up" not in replica.log(), replica.log()
-    print(json.dumps({"refusal": replica.log().splitlines()[-3:]}))
 
 
 def _status(port: int, path: str) -> int:

@@ -1,4 +1,4 @@
-"""Jobs of test_failover.py: a tick every second, and a run that lasts through the failover."""
+"""Jobs of test_failover.py: two jobs every second, and a run lasting through the failover."""
 
 from _evidence import exclusive
 
@@ -13,3 +13,8 @@ def every_second(ctx: RunContext) -> None:
 @job(key=62)
 def long_run(ctx: RunContext) -> None:
     exclusive(ctx, 6)
+
+
+@job(key=63)
+def each_second(ctx: RunContext) -> None:
+    exclusive(ctx, 0.001)
