@@ -3,18 +3,26 @@
 Each check returns a line for the report; `fatal` ones make `check` exit 2.
 The pooler check matters most (see `session_is_kept`); `scheduler run`
 insists on it too. Whatever the driver raises becomes one line, and no line
-holds the password, wherever the URL carries it.
+holds the password, wherever the URL carries it. The session is opened as a
+replica opens its own (the primary among the URL's hosts); when none is
+found, each host is named with what it is (a standby, unreachable).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 
+from scheduler.backends.pg_nodes import describe_node, node_conninfos, replication
 from scheduler.backends.pg_session import (
     POOLER_MESSAGE,
+    NotPrimary,
+    explain,
+    node_of,
+    refuse_standby,
     session_is_kept,
     short_connection,
 )
@@ -37,13 +45,18 @@ def database_checks(url: str, instance: str, schema: str = "public") -> list[Che
     secrets = database_url_secrets(url)
 
     def failure(exc: BaseException) -> str:
-        return scrub(one_line(exc), secrets)
+        return scrub(explain(one_line(exc)), secrets)
 
     try:
         conn = short_connection(url, instance)
     except Exception as exc:
-        return [Check("connect", False, f"{shown}: {failure(exc)}")]
-    checks = [Check("connect", True, shown)]
+        # Which host is what, when there are several or the one there is refused writes.
+        several, line = len(_nodes(url)) > 1, one_line(exc)
+        nodes = _node_checks(url, instance) if several or explain(line) != line else []
+        return [Check("connect", False, f"{shown}: {failure(exc)}"), *nodes]
+    checks = [Check("connect", True, f"{shown} (on {node_of(conn)})")]
+    if len(_nodes(url)) > 1:
+        checks += _node_checks(url, instance)
     try:
         with conn:
             conn.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
@@ -77,17 +90,14 @@ def _server_checks(conn: psycopg.Connection, schema: str) -> list[Check]:  # typ
             + ("" if version >= MIN_SERVER_VERSION else " (14 or newer is required)"),
         )
     )
-    row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
-    standby = bool(row and row[0])
-    checks.append(
-        Check(
-            "primary",
-            not standby,
-            "connected to a standby: locks and writes need the primary"
-            if standby
-            else "connected to the primary",
-        )
-    )
+    try:
+        refuse_standby(conn)
+    except NotPrimary as exc:
+        checks.append(Check("primary", False, str(exc)))
+        return checks
+    checks.append(Check("primary", True, f"{node_of(conn)} is the primary"))
+    mode = replication(conn)
+    checks.append(Check("replication", mode.synchronous, mode.detail, fatal=False))
     checks.append(_privileges(conn, schema))
     row = conn.execute("SELECT now()").fetchone()
     assert row is not None
@@ -102,6 +112,24 @@ def _server_checks(conn: psycopg.Connection, schema: str) -> list[Check]:  # typ
         )
     )
     return checks
+
+
+def _nodes(url: str) -> list[dict[str, Any]]:
+    """Each host's own libpq parameters; none if libpq cannot read the URL (connect says why)."""
+    try:
+        return node_conninfos(url)
+    except psycopg.Error:
+        return []
+
+
+def _node_checks(url: str, instance: str) -> list[Check]:
+    """One line per host of the URL, reached on its own: which is the primary, which not."""
+    secrets = database_url_secrets(url)
+    lines = []
+    for params in _nodes(url):
+        node = describe_node(params, instance)
+        lines.append(Check("node", node.primary, scrub(node.detail, secrets), fatal=False))
+    return lines
 
 
 def _privileges(conn: psycopg.Connection, schema: str) -> Check:  # type: ignore[type-arg]

@@ -46,6 +46,14 @@ class DatabaseUrl:
         """The query options it sets (decoded, as libpq reads them)."""
         return frozenset(unquote(key) for key, _ in self.options)
 
+    @property
+    def host_count(self) -> int:
+        """How many hosts libpq may try, named before the path or in a `host` option."""
+        named = [self.hosts] + [
+            unquote(value) for key, value in self.options if unquote(key) in ("host", "hostaddr")
+        ]
+        return max((len(hosts.split(",")) for hosts in named if hosts), default=1)
+
     def secrets(self) -> list[str]:
         """Every password in the URL, as written and decoded."""
         found = [] if self.password is None else [self.password, unquote(self.password)]

@@ -6,6 +6,9 @@
   mode that would move advisory locks from one server session to another.
 - `ends_session` and `is_permanent`: which errors lose the session (and its
   locks), and which no retry mends.
+- `refuse_standby`: a node in recovery or read-only (a standby, a demoted or
+  fenced old primary) is no place to claim: the session is dropped and the
+  replica reconnects, to whichever node is the primary now.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from scheduler.urls import libpq_url, parse_database_url
@@ -26,19 +30,31 @@ POOLER_MESSAGE = (
     "pool_mode = session for this database, or connect to PostgreSQL directly."
 )
 
+READ_ONLY = "25006"  # read_only_sql_transaction: a write reached a standby or a read-only node
+
 # SQLSTATEs that end the session itself: a connection failure (class 08), the server
 # shutting down or ending the session (57P01-57P05), or a read-only node (a standby,
 # after a failover). Any other error (a statement or lock timeout, a deadlock) leaves
 # the session and its locks as they were.
-_SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", "25006"}
+_SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", READ_ONLY}
 
 
 def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:
-    """libpq options: the instance name for pg_stat_activity, and dead-peer detection."""
-    given = parse_database_url(url).option_names
+    """libpq options: the instance name for pg_stat_activity, dead-peer detection, the primary.
+
+    `target_session_attrs=read-write` (unless the URL sets it): of the hosts of
+    a multi-host URL, libpq takes the first that accepts writes, at every
+    (re)connection, so a replica follows the primary through a failover. With
+    several hosts each gets a tenth of holder_timeout to answer, not a third:
+    a dead one that drops packets (not refusing) delays each attempt that much.
+    """
+    parts = parse_database_url(url)
+    given = parts.option_names
+    share = 10 if parts.host_count > 1 else 3
     wanted: dict[str, Any] = {
         "application_name": instance,
-        "connect_timeout": max(2, math.ceil(holder_timeout / 3)),
+        "target_session_attrs": "read-write",
+        "connect_timeout": max(2, math.ceil(holder_timeout / share)),
         "keepalives": 1,
         "keepalives_idle": max(1, math.ceil(holder_timeout / 3)),
         "keepalives_interval": max(1, math.ceil(holder_timeout / 9)),
@@ -60,7 +76,52 @@ def psycopg_engine(url: str, args: dict[str, Any], **options: Any) -> Engine:
     def _connect(_dialect: Any, _record: Any, cargs: list[Any], _cparams: Any) -> None:
         cargs[:] = [libpq_url(url)]
 
+    @event.listens_for(engine, "handle_error")
+    def _read_only(context: ExceptionContext) -> None:
+        # A pooled session on a node that no longer takes writes is of no more use:
+        # drop it, so the next checkout connects to the primary.
+        if getattr(context.original_exception, "sqlstate", None) == READ_ONLY:
+            context.is_disconnect = True
+
     return engine
+
+
+# libpq's words when every host it tried refused writes (target_session_attrs).
+_NO_WRITABLE_HOST = ("session is read-only", "server is in hot standby mode")
+
+
+def explain(message: str) -> str:
+    """A driver's one-line error, with what libpq's refusal of a standby means here."""
+    if any(marker in message for marker in _NO_WRITABLE_HOST):
+        return f"{message} (no host of the URL is a writable primary)"
+    return message
+
+
+class NotPrimary(psycopg.OperationalError):
+    """The session reached a node that is not the primary: it is dropped like a lost one."""
+
+
+def refuse_standby(conn: psycopg.Connection[Any]) -> None:
+    """Raise NotPrimary unless this session's node is a writable primary.
+
+    In recovery: a standby (advisory locks work there, and would lock nothing
+    the fleet sees). Read-only: a node its operator fenced, or a pooler's
+    read-only route. Either is named by its address.
+    """
+    row = conn.execute(
+        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'"
+    ).fetchone()
+    assert row is not None
+    in_recovery, read_only = row
+    if in_recovery or read_only:
+        what = "a standby (in recovery)" if in_recovery else "read-only (transaction_read_only on)"
+        raise NotPrimary(f"{node_of(conn)} is {what}: locks and writes need the primary")
+
+
+def node_of(conn: psycopg.Connection[Any]) -> str:
+    """host:port of the node a session reached (one of a multi-host URL's hosts)."""
+    host = conn.info.host
+    return f"[{host}]:{conn.info.port}" if ":" in host else f"{host}:{conn.info.port}"
 
 
 def search_path(schema: str) -> str:

@@ -42,8 +42,11 @@ from scheduler.backends.pg_session import (
     POOLER_MESSAGE,
     connect_args,
     ends_session,
+    explain,
     is_permanent,
+    node_of,
     psycopg_engine,
+    refuse_standby,
     search_path,
     session_is_kept,
     session_timeouts,
@@ -136,10 +139,15 @@ class PostgresBackend:
 
     def say(self, exc: BaseException) -> str:
         """A driver's error in one line, with no part of any password in it."""
-        return scrub(one_line(exc), self.secrets)
+        return scrub(explain(one_line(exc)), self.secrets)
 
     def _ledger_session_settings(self, dbapi_connection: Any, _record: Any) -> None:
-        """A replica frozen mid-transaction must not hold ledger rows for long."""
+        """A replica frozen mid-transaction must not hold ledger rows for long.
+
+        A node that is not the primary is refused here, so the ledger is never
+        read from a standby that lags, nor written where writes are lost.
+        """
+        refuse_standby(dbapi_connection)
         with dbapi_connection.cursor() as cursor:
             cursor.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, false),"
@@ -154,6 +162,10 @@ class PostgresBackend:
 
     def connect(self) -> None:
         self.close()
+        # The ledger sessions lived on the lock session's node: after a lost session
+        # (a failover, a restart) they are opened anew, on whichever node is primary now,
+        # rather than each failing once on its first use.
+        self.ledger_engine.dispose()
         try:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except SQLAlchemyError as exc:
@@ -161,6 +173,7 @@ class PostgresBackend:
         try:
             driver = conn.connection.driver_connection
             assert isinstance(driver, psycopg.Connection)
+            refuse_standby(driver)
             driver.execute(
                 "SELECT set_config('idle_session_timeout', %s, false),"
                 " set_config('statement_timeout', %s, false),"
@@ -405,9 +418,19 @@ class PostgresBackend:
 
     def heartbeat(self) -> datetime:
         """Also looks for run-now requests (one a notification missed is taken in time)
-        and for the next retry."""
+        and for the next retry.
+
+        And asks whether its node still takes writes: an old primary its operator
+        fenced by making it read-only (or restarted as a standby) loses the
+        session here, even in a quiet spell with no claim whose write would fail.
+        """
         with self._session() as conn:
-            now, waiting, retry_in = conn.execute(QUERIES["heartbeat"]).one()
+            now, waiting, retry_in, read_only = conn.execute(QUERIES["heartbeat"]).one()
+            if read_only:
+                driver = conn.connection.driver_connection
+                where = node_of(driver) if isinstance(driver, psycopg.Connection) else "the node"
+                self.close()
+                raise SessionLost(f"{where} no longer takes writes: it is not the primary")
         assert isinstance(now, datetime)
         self._requests = self._requests or bool(waiting)
         self._retry_in = None if retry_in is None else float(retry_in)

@@ -26,12 +26,14 @@ SELECT * FROM scheduler_claim_retries(:ns, :instance, CAST(:keys AS integer[]), 
 SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
 
 -- name: heartbeat
--- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py)
--- and for the next retry of a job that is not paused (seconds from now).
+-- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py),
+-- for the next retry of a job that is not paused (seconds from now), and whether its node
+-- still is a writable primary (a fenced old primary is not).
 SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL),
        (SELECT extract(epoch FROM min(t.retry_at) - now()) FROM scheduler_ticks t
          WHERE t.retry_at IS NOT NULL AND t.status = 'failed'
-           AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key))
+           AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)),
+       pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'
 
 -- name: held_locks
 -- Job locks some session of this database holds now (scheduler_locks in postgres.sql).
