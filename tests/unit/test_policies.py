@@ -3,6 +3,7 @@ the embedded backend (README: Run policies)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -192,3 +193,38 @@ def test_retries_and_caught_up_runs_are_counted_and_kept_out_of_lateness():
     assert 'scheduler_job_retries_total{job="j"} 1.0' in text
     assert 'scheduler_job_caught_up_total{job="j"} 1.0' in text
     assert 'scheduler_job_lateness_seconds_count{job="j"} 1.0' in text
+
+
+def test_history_shows_a_retried_ticks_attempts_under_it(run, tmp_path):
+    from scheduler.backends.base import ClaimRequest, FinishRequest, Intent
+    from scheduler.backends.embedded import EmbeddedBackend
+    from scheduler.statuses import CRASHED_LOST_LOCK
+
+    backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="r1", namespace=1396918340)
+    backend.migrate()
+    backend.connect()
+    try:
+        at = now_tick(-5)
+        request = ClaimRequest(2001, "sync", at, Intent.RUN, grace_s=60, skip_threshold=3)
+        (first,) = backend.claim([request], "r1", capacity=1)
+
+        def fail(result, retry_in):
+            backend.finish([FinishRequest(2001, at, result.run_id, Status.FAILED, "boom 1",
+                                          True, 3, retry_in_s=retry_in)])  # fmt: skip
+
+        fail(first, 0.0)
+        code, out, _ = run("history", "sync")
+        assert code == 0 and "next attempt" in out
+        (second,) = backend.claim_retries("r1", [2001], 1, CRASHED_LOST_LOCK).started
+        backend.finish([FinishRequest(2001, at, second.run_id, Status.SUCCEEDED, None, True, 3)])
+    finally:
+        backend.close()
+    code, out, _ = run("history", "sync")
+    header, *lines = out.splitlines()
+    assert code == 0 and "ATTEMPT" in header
+    assert len(lines) == 2 and "succeeded" in lines[0] and "failed" in lines[1]
+    assert lines[0].split()[3] == "2" and lines[1].split()[3] == "1"
+    assert "boom 1" in lines[1] and "next attempt" not in out
+    code, out, _ = run("history", "sync", "--json")
+    (row,) = json.loads(out)
+    assert row["attempt"] == 2 and [a["attempt"] for a in row["attempts"]] == [1]
