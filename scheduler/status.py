@@ -53,11 +53,12 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         paused = pauses.paused_jobs(conn)
         live = {i["name"] for i in instances}
         variants = agreement.live_schedules(ledger.registrations_of(conn), live)
+        latest = ledger.latest_of(conn, [job.key for job in catalog], FINISHED)
         jobs = []
         for job in catalog:
             state = states.get(job.key, {})
             run = running.get(job.key)
-            last = ledger.latest(conn, job.key, FINISHED)
+            last = latest.get(job.key)
             jobs.append(
                 {
                     **job.as_json(now),
