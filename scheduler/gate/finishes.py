@@ -130,7 +130,6 @@ class Finishes:
         assert ending is not None
         job = run.job
         error = storable(ending.error) if placeholder is None else placeholder
-        retry_in = self.retry_in(run)
         return FinishRequest(
             key=job.key,
             scheduled_at=run.ctx.scheduled_at,
@@ -142,18 +141,8 @@ class Finishes:
             told=ending.told,
             duration_s=round(ending.duration_s, 6),
             next_due=self._due_after(run),
-            retry_in_s=retry_in,
+            retry_in_s=ending.retry_in_s,
         )
-
-    @staticmethod
-    def retry_in(run: Run) -> float | None:
-        """Seconds until this failed run's next attempt; None: final (no retry left, not a
-        failure, or a manual run: the person who asked sees its outcome)."""
-        ending = run.ended
-        if ending is None or ending.status is not Status.FAILED or run.asked:
-            return None
-        delay = run.job.retry_in(run.ctx.attempt)
-        return None if delay is None else delay.total_seconds()
 
     def _due_after(self, run: Run) -> datetime | None:
         job, tick = run.job, run.ctx.scheduled_at
@@ -169,7 +158,6 @@ class Finishes:
     def _report(self, run: Run, outcome: FinishResult) -> None:
         ending = run.ended
         assert ending is not None
-        retry_in = self.retry_in(run)
         self.emit(
             events.RunFinished(
                 job=run.job.name,
@@ -191,11 +179,11 @@ class Finishes:
                 notices=outcome.notices,
                 ping_url=run.job.ping_url,
                 attempt=run.ctx.attempt,
-                retry_in_s=retry_in,
+                retry_in_s=ending.retry_in_s,
             )
         )
-        if retry_in is not None and outcome.recorded:
-            self.retry_scheduled(retry_in)
+        if ending.retry_in_s is not None and outcome.recorded:
+            self.retry_scheduled(ending.retry_in_s)
         if run.manual is not None:
             run.manual.set_result(
                 ManualResult(Outcome.RUN, ending.status, ending.error, run.ctx.run_id)

@@ -36,12 +36,23 @@ class Ending:
     error: str | None
     duration_s: float
     told: str | None  # what it was told while it ran (statuses.Told, comma-separated)
+    # Failed with another attempt to come (job `retries`): due this many seconds later.
+    retry_in_s: float | None = None
 
     @classmethod
     def of(cls, run: Run, status: Status, error: str | None, now: float) -> Ending:
         signals = ((Told.STOPPING, run.ctx.stopping), (Told.LOCK_LOST, run.ctx.lock_lost))
         told = ",".join(name for name, event in signals if event.is_set()) or None
-        return cls(status, error, now - run.started, told)
+        return cls(status, error, now - run.started, told, _retry_in(run, status))
+
+
+def _retry_in(run: Run, status: Status) -> float | None:
+    """None for a tick's last attempt: no retry left, no failure, or a run a person asked
+    for (`scheduler trigger`: they see its outcome)."""
+    if status is not Status.FAILED or run.asked:
+        return None
+    delay = run.job.retry_in(run.ctx.attempt)
+    return None if delay is None else delay.total_seconds()
 
 
 @dataclass
