@@ -211,8 +211,7 @@ class Gate:
         the job's catch_up_window.
         """
         result: Future[ManualResult] = Future()
-        with self._mutex:
-            self._manual.append((job, tick, result, Intent.CATCH_UP))
+        self._queue_manual(job, result, tick, Intent.CATCH_UP)
         self._wake()
         while not self._stopped.is_set():
             with contextlib.suppress(TimeoutError):
@@ -399,12 +398,20 @@ class Gate:
             )
             self._queue_manual(job, result)
 
-    def _queue_manual(self, job: CatalogJob, result: Future[ManualResult]) -> None:
-        """A manual tick of its own: "now", to the millisecond (the claim step takes it)."""
-        now = self.clock()
-        tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
+    def _queue_manual(
+        self,
+        job: CatalogJob,
+        result: Future[ManualResult],
+        tick: datetime | None = None,
+        intent: Intent = Intent.MANUAL,
+    ) -> None:
+        """A tick claimed lock first by the claim step: a manual one has a tick of its own,
+        "now", to the millisecond; a caught-up one, its missed tick."""
+        if tick is None:
+            now = self.clock()
+            tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
         with self._mutex:
-            self._manual.append((job, tick, result, Intent.MANUAL))
+            self._manual.append((job, tick, result, intent))
 
     def _claim_manual(self) -> None:
         with self._mutex:
