@@ -9,9 +9,10 @@ Coordinates the processes of one host only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -121,44 +122,37 @@ class EmbeddedBackend:
         if self._conn is None or now < self._requests_looked + 1.0:
             return False
         self._requests_looked = now
-        # A plain read, outside any transaction: no BEGIN IMMEDIATE, so no writer waits.
-        driver = self._conn.connection.driver_connection
-        found = driver.execute(  # type: ignore[union-attr]
-            "SELECT EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL)"
-        ).fetchone()
-        return bool(found and found[0])
+        return bool(
+            self._peek("SELECT EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL)")
+        )
 
     def retry_due_in(self) -> float | None:
         """A look at the local file for the next retry of a job that is not paused."""
         if self._conn is None:
             return None
-        driver = self._conn.connection.driver_connection
-        found = driver.execute(  # type: ignore[union-attr]
+        due = self._peek(
             "SELECT min(retry_at) FROM scheduler_ticks t"
             " WHERE retry_at IS NOT NULL AND status = 'failed'"
             " AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)"
-        ).fetchone()
-        if not found or found[0] is None:
-            return None
-        due = ledger.UTCDateTime().process_result_value(
-            datetime.fromisoformat(str(found[0])), self.engine.dialect
         )
-        assert due is not None
-        return (due - self.clock()).total_seconds()
+        if due is None:
+            return None
+        # The ledger keeps UTC without a zone in SQLite (ledger.UTCDateTime).
+        at = datetime.fromisoformat(str(due)).replace(tzinfo=UTC)
+        return (at - self.clock()).total_seconds()
+
+    def _peek(self, query: str) -> Any:
+        """One value, read outside any transaction: no BEGIN IMMEDIATE, so no writer waits."""
+        assert self._conn is not None, "not connected"
+        driver = self._conn.connection.driver_connection
+        found = driver.execute(query).fetchone()  # type: ignore[union-attr]
+        return found[0] if found else None
 
     def claim_retries(
         self, instance: str, keys: Sequence[int], capacity: int, crashed: str
     ) -> Retries:
-        assert self._conn is not None, "not connected"
-        conn = self._conn
-        steps = Steps(conn, self.locks, instance, self.clock())
-        try:
-            with conn.begin():
-                return steps.claim_retries(keys, capacity, crashed)
-        except BaseException:
-            for key in steps.taken:
-                self.locks.unlock(key)
-            raise
+        with self._steps(instance) as steps:
+            return steps.claim_retries(keys, capacity, crashed)
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"
@@ -204,23 +198,29 @@ class EmbeddedBackend:
     def claim(
         self, requests: Sequence[ClaimRequest], instance: str, capacity: int
     ) -> list[ClaimResult]:
+        with self._steps(instance) as steps:
+            ticks = steps.choose(requests, capacity)
+            ticks = steps.lock_manual(ticks)
+            ticks = steps.insert_ticks(ticks)
+            ticks = steps.take_locks(ticks)
+            ticks = steps.record_skips(ticks)
+            crashed = steps.crash_stale(ticks)
+            streaks = steps.skip_streaks(ticks)
+        return [steps.result(t, crashed, streaks) for t in ticks]
+
+    @contextlib.contextmanager
+    def _steps(self, instance: str) -> Iterator[Steps]:
+        """One transaction of steps that take locks: rolled back, it gives them back too."""
         assert self._conn is not None, "not connected"
         conn = self._conn
         steps = Steps(conn, self.locks, instance, self.clock())
         try:
             with conn.begin():
-                ticks = steps.choose(requests, capacity)
-                ticks = steps.lock_manual(ticks)
-                ticks = steps.insert_ticks(ticks)
-                ticks = steps.take_locks(ticks)
-                ticks = steps.record_skips(ticks)
-                crashed = steps.crash_stale(ticks)
-                streaks = steps.skip_streaks(ticks)
+                yield steps
         except BaseException:
             for key in steps.taken:  # the rows were rolled back; so are the locks
                 self.locks.unlock(key)
             raise
-        return [steps.result(t, crashed, streaks) for t in ticks]
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         assert self._conn is not None, "not connected"

@@ -155,20 +155,11 @@ class Steps:
         return out
 
     def crash_stale(self, ticks: list[Tick]) -> dict[int, int]:
-        t = ledger.ticks
-        crashed = {}
-        for tick in ticks:
-            if tick.fate is Status.RUNNING:
-                crashed[tick.key] = self.conn.execute(
-                    update(t)
-                    .where(
-                        t.c.job_key == tick.key,
-                        t.c.status == Status.RUNNING,
-                        t.c.scheduled_at != tick.request.scheduled_at,
-                    )
-                    .values(status=Status.CRASHED, finished_at=self.now, error=CRASHED_LOST_LOCK)
-                ).rowcount
-        return crashed
+        return {
+            tick.key: self._crash_others(tick.key, tick.request.scheduled_at, CRASHED_LOST_LOCK)
+            for tick in ticks
+            if tick.fate is Status.RUNNING
+        }
 
     def skip_streaks(self, ticks: list[Tick]) -> Streaks:
         """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends."""
@@ -315,10 +306,11 @@ class Steps:
         t = ledger.ticks
         waiting = self._waiting_retries(keys)
         started: list[ClaimResult] = []
-        for row in waiting:
-            if len(started) >= capacity or row.retry_at > self.now:
+        for row in waiting:  # oldest tick first, as postgres.sql takes them
+            if len(started) >= capacity:
                 break
-            if any(r.key == row.job_key for r in started) or not self.locks.try_lock(row.job_key):
+            due = row.retry_at <= self.now and all(r.key != row.job_key for r in started)
+            if not due or not self.locks.try_lock(row.job_key):
                 continue
             self.taken.append(row.job_key)
             self.conn.execute(
@@ -356,15 +348,7 @@ class Steps:
                     holder=None,
                 )
             )
-            stale = self.conn.execute(
-                update(t)
-                .where(
-                    t.c.job_key == row.job_key,
-                    t.c.status == Status.RUNNING,
-                    t.c.scheduled_at != row.scheduled_at,
-                )
-                .values(status=Status.CRASHED, finished_at=self.now, error=crashed)
-            ).rowcount
+            stale = self._crash_others(row.job_key, row.scheduled_at, crashed)
             started.append(
                 ClaimResult(
                     row.job_key,
@@ -391,11 +375,22 @@ class Steps:
                 t.c.status == Status.FAILED,
                 t.c.job_key.in_(sorted(set(keys) - paused)),
             )
-            .order_by(t.c.retry_at, t.c.scheduled_at, t.c.job_key)
+            .order_by(t.c.scheduled_at, t.c.job_key)
         )
         return list(self.conn.execute(query))
 
     # -- shared -------------------------------------------------------------------------
+
+    def _crash_others(self, key: int, tick: datetime, message: str) -> int:
+        """With the job's lock in hand, its other `running` rows are stale: crashed."""
+        t = ledger.ticks
+        return int(
+            self.conn.execute(
+                update(t)
+                .where(t.c.job_key == key, t.c.status == Status.RUNNING, t.c.scheduled_at != tick)
+                .values(status=Status.CRASHED, finished_at=self.now, error=message)
+            ).rowcount
+        )
 
     def _has_row(self, key: int, tick: datetime) -> bool:
         t = ledger.ticks
