@@ -467,16 +467,10 @@ BEGIN
          WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
         RETURNING t.job_key, t.scheduled_at, t.run_id, t.started_at, t.attempt
              INTO job_key, scheduled_at, run_id, started_at, attempt;
-        -- With the lock in hand, any other `running` row of the job is stale.
-        WITH marked AS (
-            UPDATE scheduler_ticks s
-               SET status = 'crashed', finished_at = clock_timestamp(),
-                   error = coalesce(s.error, p_crashed)
-             WHERE s.job_key = r.job_key AND s.status = 'running'
-               AND s.scheduled_at <> r.scheduled_at
-            RETURNING 1
-        )
-        SELECT count(*)::integer INTO crashed FROM marked;
+        -- With the lock in hand, any other `running` row of the job is stale (step 6).
+        SELECT coalesce(sum(s.crashed), 0)::integer INTO crashed
+          FROM scheduler_crash_stale(ARRAY[ROW(r.job_key, NULL, r.scheduled_at, 'retry', NULL,
+                   'running', NULL, NULL, NULL, NULL)::scheduler_tick], p_crashed) s;
         next_in := NULL;
         RETURN NEXT;
     END LOOP;

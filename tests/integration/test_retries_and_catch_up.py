@@ -122,6 +122,17 @@ def test_a_retry_pending_when_its_replica_dies_is_taken_by_another(backends):
     assert taken.attempt == 2 and taken.key == KEY
 
 
+def test_a_retry_that_takes_the_lock_marks_a_dead_replicas_run_crashed(backends):
+    a, b = backends("a"), backends("b")
+    old, new = tick(10), tick()
+    fail_attempt(a, claim(a, old, grace=60), retry_in=0.0)
+    assert claim(b, new).outcome is Outcome.RUN
+    die(b)  # its run's row stays `running`; its lock is gone
+    (taken,) = retries(a).started
+    assert taken.scheduled_at == old and taken.crashed == 1
+    assert row(a, new)["status"] == "crashed"
+
+
 def test_only_jobs_asked_for_and_one_attempt_per_job_per_look(backends):
     a = backends("a")
     one, two = claim(a, tick(20), grace=60), None
