@@ -606,20 +606,20 @@ def prune_batch(conn: Connection, older_than: datetime, batch: int = 5000) -> in
         .offset(batch - 1)
         .limit(1)
     ).scalar()
-    window = (
-        ticks.c.scheduled_at <= batch_end
-        if batch_end is not None
-        else ticks.c.scheduled_at < older_than
-    )
+
+    def in_batch(column: Any) -> Any:
+        return column <= batch_end if batch_end is not None else column < older_than
+
     pending = or_(ticks.c.status == Status.RUNNING, ticks.c.retry_at.is_not(None))
-    removed = conn.execute(delete(ticks).where(window, ~pending)).rowcount
-    done = ~tuple_(attempts.c.job_key, attempts.c.scheduled_at).in_(
-        select(ticks.c.job_key, ticks.c.scheduled_at).where(pending)
+    removed = conn.execute(delete(ticks).where(in_batch(ticks.c.scheduled_at), ~pending)).rowcount
+    # A tick's earlier attempts go with its row (a pending tick keeps both).
+    kept = (
+        select(ticks.c.job_key)
+        .where(ticks.c.job_key == attempts.c.job_key)
+        .where(ticks.c.scheduled_at == attempts.c.scheduled_at)
+        .exists()
     )
-    old = (
-        attempts.c.scheduled_at <= batch_end if batch_end else attempts.c.scheduled_at < older_than
-    )
-    conn.execute(delete(attempts).where(old, done))
+    conn.execute(delete(attempts).where(in_batch(attempts.c.scheduled_at), ~kept))
     conn.execute(
         delete(notices).where(notices.c.done_at.is_not(None), notices.c.done_at < older_than)
     )

@@ -256,3 +256,31 @@ def test_a_version_5_ledger_is_migrated_with_its_rows(backends):
     fail_attempt(a, first, retry_in=0.0)
     (again,) = retries(a).started
     assert again.attempt == 2
+
+
+def test_pruning_takes_a_ticks_attempts_with_it_and_keeps_a_pending_retry(backends):
+    a = backends("a")
+    old = datetime.now(UTC).replace(microsecond=0) - timedelta(days=3)
+    done_at, pending_at = old, old + timedelta(seconds=1)
+    base = {"job_key": KEY, "job_name": "job", "instance": "a", "attempt": 2}
+    with a.ledger_engine.begin() as conn:
+        conn.execute(
+            ledger.ticks.insert(),
+            [
+                {**base, "scheduled_at": done_at, "status": "succeeded", "retry_at": None},
+                {**base, "scheduled_at": pending_at, "status": "failed", "retry_at": old},
+            ],
+        )
+        conn.execute(
+            ledger.attempts.insert(),
+            [
+                {"job_key": KEY, "scheduled_at": at, "attempt": 1, "status": "failed"}
+                for at in (done_at, pending_at)
+            ],
+        )
+    with a.ledger_engine.begin() as conn:
+        assert ledger.prune_batch(conn, datetime.now(UTC) - timedelta(days=1)) == 1
+    with a.ledger_engine.connect() as conn:
+        left = conn.execute(select(ledger.attempts.c.scheduled_at)).scalars().all()
+        ticks_left = conn.execute(select(ledger.ticks.c.scheduled_at)).scalars().all()
+    assert left == [pending_at] and ticks_left == [pending_at]
