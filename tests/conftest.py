@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from scheduler import ledger
 from tests.support import SERVER_URL_ENV, FakeMonotonic, Recorder, with_database
 
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -115,10 +116,9 @@ def database_url(run_database: str) -> Iterator[str]:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
+        tables = ", ".join(table.name for table in ledger.metadata.sorted_tables)
         conn.execute(
-            "DROP TABLE IF EXISTS scheduler_ticks, scheduler_jobs, scheduler_maintenance,"
-            " scheduler_schema, scheduler_counters, scheduler_notices,"
-            " scheduler_registrations, scheduler_pauses CASCADE;"
+            f"DROP TABLE IF EXISTS {tables} CASCADE;"  # every ledger table, however many
             " DROP SEQUENCE IF EXISTS scheduler_run_id;"
             " DROP FUNCTION IF EXISTS scheduler_claim, scheduler_finish;"
             " DROP TABLE IF EXISTS test_runs"
