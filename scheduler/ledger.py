@@ -403,16 +403,6 @@ def history(conn: Connection, wanted: TickFilter) -> list[TickRow]:
     return _with_attempts(conn, [_row(r) for r in conn.execute(query)])
 
 
-def latest(
-    conn: Connection, key: int, statuses: tuple[Status, ...] | None = None
-) -> TickRow | None:
-    query = select(ticks).where(ticks.c.job_key == key)
-    if statuses:
-        query = query.where(ticks.c.status.in_(statuses))
-    row = conn.execute(query.order_by(desc(ticks.c.scheduled_at)).limit(1)).first()
-    return _row(row) if row else None
-
-
 LATEST_AT_ONCE = 100  # jobs whose latest row one statement reads
 
 
