@@ -459,7 +459,7 @@ def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
             conn, job.key, job.name, by=pauses.default_actor(), now=datetime.now(UTC),
             namespace=settings.namespace,
         )  # fmt: skip
-    patience = settings.holder_timeout + 5  # the heartbeat finds a request a notice missed
+    patience = run_now.patience(settings.holder_timeout)
     asked, looked, taker = time.monotonic(), time.monotonic(), None
     try:
         while True:

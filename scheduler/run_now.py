@@ -73,6 +73,12 @@ def state(conn: Connection, request: int) -> dict[str, Any] | None:
     return dict(row._mapping) if row else None
 
 
+def patience(holder_timeout: float) -> float:
+    """How long a request may wait untaken before its asker withdraws it: a replica's
+    heartbeat (a third of holder_timeout) finds a request whose notification it missed."""
+    return holder_timeout + 5
+
+
 def withdraw(conn: Connection, request: int) -> bool:
     """Withdraw a request nobody took; False if a replica took it meanwhile."""
     r = ledger.run_requests

@@ -223,7 +223,8 @@ class Page:
             if state is None or state["taken_by"] is not None:
                 return state
             waited = (self.clock() - state["requested_at"]).total_seconds()
-            if waited > self.settings.holder_timeout + 5 and run_now.withdraw(conn, request):
+            patience = run_now.patience(self.settings.holder_timeout)
+            if waited > patience and run_now.withdraw(conn, request):
                 return {**state, "withdrawn": waited}
             return state
 
