@@ -597,10 +597,12 @@ def _settings(section: dict[str, Any], overrides: dict[str, Any]) -> Settings:
 def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any]) -> str:
     lines = []
     for error in exc.errors():
-        field = shorten(".".join(str(part) for part in error["loc"]) or "scheduler", 100)
+        field = shorten(".".join(str(part) for part in error["loc"]), 100)
         env_name = f"{ENV_PREFIX}{field.upper()}"
         flag = field.replace("_", "-")
-        if field in overrides and field != "config":
+        if not field:  # a rule between settings (its message names them), wherever they came from
+            where = "settings"
+        elif field in overrides and field != "config":
             where = f"--{flag}"
         elif env_name in os.environ:
             where = f"environment {env_name}"

@@ -267,3 +267,12 @@ def test_a_browser_logs_in_acts_with_the_forms_csrf_token_and_logs_out(project):
     assert "Max-Age=0" in dict(out.headers)["Set-Cookie"]
     login = ask(page, "POST", "/login", f"token={TOKEN}&next=//evil.example/x", **here)
     assert ("Location", "/") in login.headers  # never to another site
+
+
+def test_protect_all_without_a_token_is_one_line_naming_both_settings(run, monkeypatch):
+    monkeypatch.setenv("SCHEDULER_HTTP_PROTECT", "all")
+    code, _, err = run("check")
+    assert code == 2 and err.count("\n") == 1
+    assert (
+        "settings: http_protect: all needs http_token" in err and "scheduler.scheduler" not in err
+    )
