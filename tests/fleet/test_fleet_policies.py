@@ -106,24 +106,30 @@ def test_retries_run_each_attempt_once_where_the_ledger_says_and_count_ticks(
         finished = len(final(fleet, "stubborn"))
         assert failure_streak(fleet, 162) in (finished, finished + 1)
 
-        # A replica SIGKILLed while stubborn's retry is pending: another runs it.
-        seen = {(e["tick"], e["attempt"]) for e in attempts(fleet, "stubborn")}
+        # A replica SIGKILLed while stubborn's retry is pending (its failed first attempt
+        # recorded, with when the next is due): another replica runs it.
+        done_before = set(final(fleet, "stubborn"))
 
-        def first_attempt_failed() -> dict | None:
-            for e in attempts(fleet, "stubborn"):
-                if e["attempt"] == 1 and (e["tick"], 2) not in seen and (e["tick"], 1) not in seen:
-                    return e
-            return None
+        def pending_retry() -> dict | None:
+            return next(
+                (
+                    r
+                    for r in fleet.ledger("stubborn")
+                    if r["retry_at"] is not None and r["scheduled_at"] not in done_before
+                ),
+                None,
+            )
 
-        failed = wait_for(first_attempt_failed, 60, "a new first attempt of stubborn")
-        fleet.replicas[failed["instance"]].signal(signal.SIGKILL)
-        killed = failed["instance"]
+        pending = wait_for(pending_retry, 60, "a failed first attempt of stubborn, retry pending")
+        killed = pending["instance"]
+        fleet.replicas[killed].signal(signal.SIGKILL)
+        at = pending["scheduled_at"]
         retried = wait_for(
             lambda: next(
                 (
                     e
                     for e in attempts(fleet, "stubborn")
-                    if e["tick"] == failed["tick"] and e["attempt"] == 2
+                    if parse_tick(e["tick"]) == at and e["attempt"] == 2
                 ),
                 None,
             ),
@@ -131,7 +137,6 @@ def test_retries_run_each_attempt_once_where_the_ledger_says_and_count_ticks(
             "the pending retry to run on another replica",
         )
         assert retried["instance"] != killed
-        at = parse_tick(failed["tick"])
         wait_for(lambda: at in final(fleet, "stubborn"), 30, "the retried tick recorded")
         assert final(fleet, "stubborn")[at]["instance"] == retried["instance"]
         counts = Counter((e["tick"], e["attempt"]) for e in attempts(fleet, "stubborn"))
@@ -214,12 +219,15 @@ def test_spread_moves_100_jobs_of_one_grid_apart_the_same_everywhere_each_once(
         job_files=["spread.py"],
     )
     now = datetime.now(UTC)
-    ahead = (60 - now.second - now.microsecond / 1e6 - 6) % 60  # replicas at hh:mm:54
+    # Replicas at hh:mm:45: a loaded machine may take seconds to start three replicas of
+    # 100 jobs, and a tick that passed before a replica's scheduler started is not fired.
+    lead = 15
+    ahead = (60 - now.second - now.microsecond / 1e6 - lead) % 60
     try:
         for name in NAMES:
             fleet.start(name, clock_offset=f"+{ahead:.3f}s")
         fleet.wait_ready()
-        minute = (now + timedelta(seconds=ahead + 10)).replace(second=0, microsecond=0)
+        minute = (now + timedelta(seconds=ahead + lead + 1)).replace(second=0, microsecond=0)
         in_minute = lambda: [  # noqa: E731
             e
             for e in fleet.starts()
