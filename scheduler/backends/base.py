@@ -8,7 +8,7 @@ atomically and in one round trip, following the protocol told in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -37,6 +37,7 @@ class Outcome(StrEnum):
     YIELDED = "yielded"  # another live replica's share of the burst: try again shortly
     MISSED = "missed"  # this replica recorded the tick as missed
     HELD = "held"  # manual trigger only: the lock is held elsewhere
+    ERROR = "error"  # the claim itself failed (a statement cut short): nothing was decided
     PAUSED = "paused"  # the job is paused for the fleet: this replica recorded the tick paused
 
 
@@ -135,8 +136,16 @@ class LockStore(Protocol):
         Raises SessionLost.
         """
 
-    def release(self, keys: Sequence[int]) -> None:
-        """Release locks a failed claim may have taken; raises SessionLost."""
+    def held_keys(self) -> set[int]:
+        """The job locks this session holds now. Raises SessionLost."""
+
+    def release_strays(self, expected: Collection[int]) -> list[int]:
+        """Release every job lock this session holds other than `expected` (the jobs this
+        replica runs), however many times it was taken; returns the keys released.
+
+        The lock invariant's one enforcer: called after any call that may have taken
+        locks fails, and at every heartbeat. Raises SessionLost.
+        """
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         """Record finished runs and release their locks; raises SessionLost."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -189,9 +189,14 @@ class EmbeddedBackend:
                 held[row.key] = row.instance
         return held
 
-    def release(self, keys: Sequence[int]) -> None:
-        for key in keys:
+    def held_keys(self) -> set[int]:
+        return self.locks.held()
+
+    def release_strays(self, expected: Collection[int]) -> list[int]:
+        strays = sorted(self.locks.held() - set(expected))
+        for key in strays:
             self.locks.unlock(key)
+        return strays
 
     # -- the claim and the finish: the steps of postgres.sql (see embedded_steps.py) -----
 

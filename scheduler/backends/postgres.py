@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -382,10 +382,14 @@ class PostgresBackend:
             (yielded if theirs else sent).append(r)
         return sent, yielded
 
-    def release(self, keys: Sequence[int]) -> None:
-        """Release locks a failed claim may have taken (they outlive a rollback)."""
+    def held_keys(self) -> set[int]:
         with self._session() as conn:
-            conn.execute(QUERIES["release"], {"ns": self.namespace, "keys": pg_numbers(keys)})
+            return {row.key for row in conn.execute(QUERIES["own_locks"], {"ns": self.namespace})}
+
+    def release_strays(self, expected: Collection[int]) -> list[int]:
+        params = {"ns": self.namespace, "expected": pg_numbers(sorted(expected))}
+        with self._session() as conn:
+            return [row.key for row in conn.execute(QUERIES["release_strays"], params)]
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         params = {

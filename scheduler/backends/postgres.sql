@@ -29,6 +29,30 @@ LANGUAGE sql STABLE AS $$
        AND l.classid = (p_namespace::bigint & 4294967295)::oid
 $$;
 
+-- The lock invariant: a replica holds a job's lock only while it has a run or a claim of
+-- that job in flight. This session's job locks other than `p_expected` (the jobs it runs)
+-- are strays, left by a claim whose transaction failed (advisory locks outlive a
+-- rollback) or by a reply that was lost: each is released, however many times it was
+-- taken (advisory locks stack within a session), and its key returned.
+CREATE FUNCTION scheduler_release_strays(p_namespace integer, p_expected integer[])
+RETURNS SETOF integer LANGUAGE plpgsql AS $$
+DECLARE
+    k integer;
+BEGIN
+    FOR k IN SELECT l.key FROM scheduler_locks(p_namespace) l
+              WHERE l.pid = pg_backend_pid() AND NOT l.shared
+                AND l.key BETWEEN 1 AND 2147483647 AND NOT (l.key = ANY (p_expected))
+              ORDER BY l.key
+    LOOP
+        WHILE EXISTS (SELECT 1 FROM scheduler_locks(p_namespace) l
+                       WHERE l.pid = pg_backend_pid() AND l.key = k AND NOT l.shared) LOOP
+            PERFORM pg_advisory_unlock(p_namespace, k);
+        END LOOP;
+        RETURN NEXT k;
+    END LOOP;
+END;
+$$;
+
 -- The live replicas (sessions holding the shared presence lock) and this one's rank.
 CREATE FUNCTION scheduler_fleet(p_namespace integer, OUT live integer, OUT rank integer)
 LANGUAGE plpgsql STABLE AS $$

@@ -21,9 +21,15 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
 SELECT * FROM scheduler_claim_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,
     :crashed)
 
--- name: release
--- Locks a failed claim may have taken: advisory locks outlive a rollback.
-SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
+-- name: release_strays
+-- This session's job locks with no run of this replica behind them, released (the lock
+-- invariant: scheduler_release_strays in postgres.sql).
+SELECT k AS key FROM scheduler_release_strays(:ns, CAST(:expected AS integer[])) k
+
+-- name: own_locks
+-- The job locks this session holds now.
+SELECT key FROM scheduler_locks(:ns)
+ WHERE pid = pg_backend_pid() AND NOT shared AND key BETWEEN 1 AND 2147483647
 
 -- name: heartbeat
 -- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py),
