@@ -199,6 +199,13 @@ class Gate:
             yield
         self._wake()
 
+    def reloaded(self, current: Callable[[int], CatalogJob | None]) -> None:
+        """A reload took effect: queued ticks of jobs no longer scheduled here are dropped,
+        the others follow the job's new settings. Returns between two steps of the
+        dispatcher, so from then on no path starts a disabled job on its own."""
+        with self._stepping:
+            self.queue.refresh(current)
+
     def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
         """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
         result: Future[ManualResult] = Future()
@@ -475,6 +482,9 @@ class Gate:
             if self._stopping_runs.is_set():  # shutting down: nothing new starts here
                 result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
                 continue
+            if intent is Intent.CATCH_UP and not self._still_enabled(job):
+                result.set_result(ManualResult(Outcome.LOST, error="disabled by a reload"))
+                continue
             if job.key in self._runs:
                 result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
                 continue
@@ -486,6 +496,11 @@ class Gate:
                 raise
         return failed
 
+    def _still_enabled(self, job: CatalogJob) -> bool:
+        """Whether the catalog in force now (after any reload) has the job enabled."""
+        current = self.desk.job(job.key) if self.desk is not None else job
+        return current is not None and current.enabled
+
     def _claim_retries(self) -> bool:
         """Start due retries of jobs this replica has and is not running (retries.py).
 
@@ -494,7 +509,7 @@ class Gate:
         desk = self.desk
         if desk is None or self._stopping_runs.is_set():
             return False
-        known = desk.keys()
+        known = desk.enabled_keys()
         with self._mutex:
             keys = [key for key in known if key not in self._runs]
         try:
@@ -603,6 +618,8 @@ class RequestDesk(Protocol):
     where an outcome goes (written on the ledger session, from the thread that ends it)."""
 
     def keys(self) -> list[int]: ...
+
+    def enabled_keys(self) -> list[int]: ...
 
     def job(self, key: int) -> CatalogJob | None: ...
 

@@ -314,6 +314,9 @@ class _Desk:
     def keys(self) -> list[int]:
         return list(self.jobs)
 
+    def enabled_keys(self) -> list[int]:
+        return [key for key, job in self.jobs.items() if job.enabled]
+
     def job(self, key: int):
         return self.jobs.get(key)
 
