@@ -214,6 +214,45 @@ BEGIN
 END;
 $$;
 
+-- Step 4b. Pauses, again. Each statement sees what was committed before it began, so a
+-- pause committed while this claim waited (on a row another claim had inserted, on a
+-- row lock) was not seen by step 1; it was acknowledged to whoever paused, so the tick
+-- must not start. A tick of a paused job about to start (not a manual run: a person
+-- asked) is recorded paused instead, and the lock it took is given back. If the claim
+-- waited at all, its runs' start is stamped now, after the wait. (The embedded backend
+-- needs no such step: its claim is one writer's transaction from its first read.)
+CREATE FUNCTION scheduler_recheck_pauses(p_namespace integer, p_ticks scheduler_tick[])
+RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+DECLARE
+    t scheduler_tick;
+    v_paused integer[];
+    v_now timestamptz := clock_timestamp();
+    v_waited boolean := clock_timestamp() - statement_timestamp() > interval '100 ms';
+BEGIN
+    v_paused := ARRAY(SELECT c.key FROM unnest(p_ticks) c
+                       WHERE c.fate = 'running' AND c.intent IN ('run', 'catch_up')
+                         AND EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = c.key));
+    IF cardinality(v_paused) = 0 AND NOT v_waited THEN
+        RETURN QUERY SELECT * FROM unnest(p_ticks);
+        RETURN;
+    END IF;
+    FOR t IN SELECT * FROM unnest(p_ticks) ORDER BY tick, key LOOP
+        IF t.fate = 'running' AND t.key = ANY (v_paused) AND t.intent IN ('run', 'catch_up') THEN
+            UPDATE scheduler_ticks r SET status = 'paused', run_id = NULL, started_at = NULL,
+                   caught_up = false
+             WHERE r.job_key = t.key AND r.scheduled_at = t.tick;
+            PERFORM pg_advisory_unlock(p_namespace, t.key);
+            t.fate := 'paused'; t.run_id := NULL; t.started_at := NULL;
+        ELSIF t.fate = 'running' AND v_waited THEN
+            UPDATE scheduler_ticks r SET started_at = v_now
+             WHERE r.job_key = t.key AND r.scheduled_at = t.tick;
+            t.started_at := v_now;
+        END IF;
+        RETURN NEXT t;
+    END LOOP;
+END;
+$$;
+
 -- Step 5. Record skips: each skipped tick's row says whose run held the lock.
 CREATE FUNCTION scheduler_record_skips(p_ticks scheduler_tick[])
 RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
@@ -409,6 +448,7 @@ BEGIN
     PERFORM pg_advisory_unlock(p_namespace, c.key)  -- a manual run that lost its row
        FROM unnest(v_ticks) c WHERE c.intent IN ('manual', 'catch_up') AND c.fate = 'lost';
     v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_recheck_pauses(p_namespace, v_ticks) c);
     IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN
         v_ticks := ARRAY(SELECT c FROM scheduler_record_skips(v_ticks) c);
     END IF;
@@ -483,6 +523,12 @@ BEGIN
           FROM scheduler_ticks t
          WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
         ON CONFLICT DO NOTHING;
+        -- A pause committed while that insert waited on a row was acknowledged: honour it.
+        IF EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = r.job_key) THEN
+            PERFORM pg_advisory_unlock(p_namespace, r.job_key);
+            v_taken := array_remove(v_taken, r.job_key);
+            CONTINUE;
+        END IF;
         UPDATE scheduler_ticks t
            SET status = 'running', attempt = t.attempt + 1, instance = p_instance,
                run_id = nextval('scheduler_run_id'), started_at = clock_timestamp(),
