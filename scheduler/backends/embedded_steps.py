@@ -43,6 +43,7 @@ class Tick:
     started_at: datetime | None = None
     holder: str | None = None
     holder_since: datetime | None = None
+    by_hand: bool = False  # skipped: the run holding the lock is one a person asked for
 
     @property
     def key(self) -> int:
@@ -92,7 +93,7 @@ class Steps:
                 if self.locks.try_lock(tick.key):
                     self.taken.append(tick.key)
                 else:
-                    instance, since = self._holder(tick.key, exclude=set())
+                    instance, since, _ = self._holder(tick.key, exclude=set())
                     tick = replace(tick, fate=Outcome.HELD, holder=instance, holder_since=since)
             out.append(tick)
         return out
@@ -142,14 +143,19 @@ class Steps:
         out = []
         for tick in ticks:
             if tick.fate is Status.SKIPPED:
-                instance, since = self._holder(tick.key, exclude=own)
+                instance, since, by_hand = self._holder(tick.key, exclude=own)
                 self.conn.execute(
                     update(t)
                     .where(t.c.job_key == tick.key, t.c.scheduled_at == tick.request.scheduled_at)
                     .values(status=Status.SKIPPED, run_id=None, started_at=None, holder=instance)
                 )
                 tick = replace(
-                    tick, run_id=None, started_at=None, holder=instance, holder_since=since
+                    tick,
+                    run_id=None,
+                    started_at=None,
+                    holder=instance,
+                    holder_since=since,
+                    by_hand=by_hand,
                 )
             out.append(tick)
         return out
@@ -162,12 +168,15 @@ class Steps:
         }
 
     def skip_streaks(self, ticks: list[Tick]) -> Streaks:
-        """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends."""
+        """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends.
+
+        A tick skipped behind a run a person asked for counts in no streak.
+        """
         j = ledger.jobs
         out: Streaks = {}
-        counted = (Status.RUNNING, Status.SKIPPED)
-        for key in sorted({t.key for t in ticks if t.fate in counted}):
-            mine = [t for t in ticks if t.key == key and t.fate in counted]
+        counted = [t for t in ticks if t.fate is Status.RUNNING or _overran(t)]
+        for key in sorted({t.key for t in counted}):
+            mine = [t for t in counted if t.key == key]
             skipped = [t for t in mine if t.fate is Status.SKIPPED]
             ran = len(skipped) < len(mine)
             self._ensure_job(key, mine[0].request.name)
@@ -404,16 +413,17 @@ class Steps:
         query = select(p.c.job_key).where(p.c.job_key.in_(sorted(keys)))
         return {row.job_key for row in self.conn.execute(query)}
 
-    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any]:
-        """Whose run holds the job now: its newest `running` row not in `exclude`."""
+    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any, bool]:
+        """Whose run holds the job now: its newest `running` row not in `exclude`, and
+        whether a person asked for it."""
         t = ledger.ticks
         rows = self.conn.execute(
-            select(t.c.instance, t.c.started_at, t.c.scheduled_at)
+            select(t.c.instance, t.c.started_at, t.c.scheduled_at, t.c.manual)
             .where(t.c.job_key == key, t.c.status == Status.RUNNING)
             .order_by(t.c.scheduled_at.desc())
         )
         row = next((row for row in rows if (key, row.scheduled_at) not in exclude), None)
-        return (row.instance, row.started_at) if row else (None, None)
+        return (row.instance, row.started_at, bool(row.manual)) if row else (None, None, False)
 
     def _next_run_id(self) -> int:
         c = ledger.counters
@@ -454,3 +464,8 @@ class Steps:
             scheduled_at=r.scheduled_at,
             deliverer=self.instance,
         )
+
+
+def _overran(tick: Tick) -> bool:
+    """A skip that counts in the job's skip streak: not one behind a run asked for by hand."""
+    return tick.fate is Status.SKIPPED and not tick.by_hand

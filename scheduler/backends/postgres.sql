@@ -82,14 +82,17 @@ CREATE TYPE scheduler_tick AS (
     run_id       bigint,
     started_at   timestamptz,
     holder       text,
-    holder_since timestamptz
+    holder_since timestamptz,
+    by_hand      boolean  -- skipped: the run holding the lock is one a person asked for
 );
 
--- Whose run holds a job now: its newest `running` row, other than ticks of this claim.
+-- Whose run holds a job now: its newest `running` row, other than ticks of this claim, and
+-- whether a person asked for it (a run-now).
 CREATE FUNCTION scheduler_holder(
-    p_key integer, p_ticks scheduler_tick[], OUT instance text, OUT since timestamptz
+    p_key integer, p_ticks scheduler_tick[], OUT instance text, OUT since timestamptz,
+    OUT by_hand boolean
 ) LANGUAGE sql STABLE AS $$
-    SELECT r.instance, r.started_at FROM scheduler_ticks r
+    SELECT r.instance, r.started_at, r.manual FROM scheduler_ticks r
      WHERE r.job_key = p_key AND r.status = 'running'
        AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c)
      ORDER BY r.scheduled_at DESC LIMIT 1
@@ -136,7 +139,7 @@ BEGIN
                 WHEN q.intent = 'manual' THEN 'running'
                 WHEN q.late THEN 'missed'
                 ELSE 'running' END,  -- catch_up: running (its lock is taken first, below)
-           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz
+           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::boolean
       FROM q
      WHERE q.paused OR q.intent IN ('skip', 'manual', 'catch_up') OR (q.intent = 'run' AND q.late)
         OR (q.key, q.tick) IN (SELECT runs.key, runs.tick FROM runs);
@@ -189,7 +192,7 @@ BEGIN
     )
     SELECT c.key, c.name, c.tick, c.intent, c.threshold,
            CASE WHEN c.fate = 'held' OR i.job_key IS NOT NULL THEN c.fate ELSE 'lost' END,
-           i.run_id, i.started_at, c.holder, c.holder_since
+           i.run_id, i.started_at, c.holder, c.holder_since, c.by_hand
       FROM unnest(p_ticks) c
       LEFT JOIN inserted i ON i.job_key = c.key AND i.scheduled_at = c.tick;
 END;
@@ -253,7 +256,9 @@ BEGIN
 END;
 $$;
 
--- Step 5. Record skips: each skipped tick's row says whose run held the lock.
+-- Step 5. Record skips: each skipped tick's row says whose run held the lock. A tick
+-- skipped because a run a person asked for (run-now) was still going is recorded so too,
+-- but is not the job overrunning its schedule: it counts in no skip streak (step 7).
 CREATE FUNCTION scheduler_record_skips(p_ticks scheduler_tick[])
 RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -262,7 +267,7 @@ BEGIN
     WITH skipped AS (
         SELECT s.* FROM unnest(p_ticks) s WHERE s.fate = 'skipped'
     ), holders AS (
-        SELECT DISTINCT s.key AS job_key, h.instance, h.since AS started_at
+        SELECT DISTINCT s.key AS job_key, h.instance, h.since AS started_at, h.by_hand
           FROM skipped s, LATERAL scheduler_holder(s.key, p_ticks) h
     ), updated AS (
         UPDATE scheduler_ticks r
@@ -271,12 +276,12 @@ BEGIN
          WHERE r.job_key = s.key AND r.scheduled_at = s.tick
            AND r.job_key = ANY (ARRAY(SELECT skipped.key FROM skipped))
            AND r.scheduled_at = ANY (ARRAY(SELECT skipped.tick FROM skipped))
-        RETURNING r.job_key, r.scheduled_at, h.instance, h.started_at
+        RETURNING r.job_key, r.scheduled_at, h.instance, h.started_at, h.by_hand
     )
     SELECT c.key, c.name, c.tick, c.intent, c.threshold, c.fate,
            CASE WHEN c.fate = 'skipped' THEN NULL ELSE c.run_id END,
            CASE WHEN c.fate = 'skipped' THEN NULL ELSE c.started_at END,
-           u.instance, u.started_at
+           u.instance, u.started_at, coalesce(u.by_hand, false)
       FROM unnest(p_ticks) c
       LEFT JOIN updated u ON u.job_key = c.key AND u.scheduled_at = c.tick;
 END;
@@ -321,14 +326,15 @@ LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
     SELECT c.key, min(c.name), now() FROM unnest(p_ticks) c
-     WHERE c.fate = 'skipped' GROUP BY c.key ORDER BY c.key
+     WHERE c.fate = 'skipped' AND NOT c.by_hand GROUP BY c.key ORDER BY c.key
     ON CONFLICT DO NOTHING;
     RETURN QUERY
     WITH per_job AS (
         SELECT c.key, bool_or(c.fate = 'running') AS ran,
                count(*) FILTER (WHERE c.fate = 'skipped')::integer AS skips,
                min(c.threshold) AS threshold
-          FROM unnest(p_ticks) c WHERE c.fate IN ('running', 'skipped') GROUP BY c.key
+          FROM unnest(p_ticks) c
+         WHERE c.fate = 'running' OR (c.fate = 'skipped' AND NOT c.by_hand) GROUP BY c.key
     ), locked AS (
         SELECT j.job_key, j.job_name, j.consecutive_skips, j.skip_alerted
           FROM scheduler_jobs j JOIN per_job p ON p.key = j.job_key
@@ -349,7 +355,7 @@ BEGIN
         SELECT c.key, c.tick, c.holder, c.holder_since, u.before + row_number()
                    OVER (PARTITION BY c.key ORDER BY c.tick) AS streak, u.*
           FROM unnest(p_ticks) c JOIN updated u ON u.job_key = c.key
-         WHERE c.fate = 'skipped'
+         WHERE c.fate = 'skipped' AND NOT c.by_hand
     ), alerts AS (
         INSERT INTO scheduler_notices
                (event, job_key, job_name, scheduled_at, facts, raised_by, raised_at,
@@ -540,7 +546,7 @@ BEGIN
         -- With the lock in hand, any other `running` row of the job is stale (step 6).
         SELECT coalesce(sum(s.crashed), 0)::integer INTO crashed
           FROM scheduler_crash_stale(ARRAY[ROW(r.job_key, NULL, r.scheduled_at, 'retry', NULL,
-                   'running', NULL, NULL, NULL, NULL)::scheduler_tick], p_crashed) s;
+                   'running', NULL, NULL, NULL, NULL, NULL)::scheduler_tick], p_crashed) s;
         next_in := NULL;
         RETURN NEXT;
     END LOOP;

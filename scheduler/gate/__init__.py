@@ -103,6 +103,7 @@ from scheduler.workers import Workers
 log = logging.getLogger("scheduler.gate")
 
 RETRY_LOOK_AGAIN = 1.0  # seconds before a look for due retries that failed is made again
+REQUESTS_LOOK_EVERY = 1.0  # seconds between looks for run-now requests, without notifications
 
 
 Clock = Callable[[], datetime]
@@ -343,6 +344,8 @@ class Gate:
         retry = self.retries.wait()
         if retry is not None and self._free_slots() > 0:
             wait = min(wait, retry)
+        if self.desk is not None and self.backend.fileno() is None:
+            wait = min(wait, REQUESTS_LOOK_EVERY)  # no server notifies this backend of them
         return wait
 
     def step(self) -> None:
@@ -361,12 +364,14 @@ class Gate:
             return
         self._guard(self._record_finishes)
         self._guard(self._take_requests)
-        self._guard(lambda: self._locking(self._claim_manual, "run-now or catch-up claim"))
+        # Scheduled ticks first: a run-now taken in the same step never takes a due
+        # tick's place (its lock would make the tick `skipped`).
         self._guard(
             lambda: self._locking(
                 lambda: self.claims.queued(self._free_slots(), self._running), "claim"
             )
         )
+        self._guard(lambda: self._locking(self._claim_manual, "run-now or catch-up claim"))
         self._guard(lambda: self._locking(self._claim_retries, "look for due retries"))
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
