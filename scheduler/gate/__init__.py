@@ -132,6 +132,7 @@ class Gate:
         clock: Clock = utc_now,
         monotonic: Monotonic = time.monotonic,
         desk: RequestDesk | None = None,
+        workers: Pool | None = None,
     ) -> None:
         self.backend = backend
         self.desk = desk  # run-now requests from the fleet's commands (None: none taken)
@@ -175,7 +176,7 @@ class Gate:
         self._stopping_runs = threading.Event()  # one per daemon: every run shares it
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
-        self._workers = Workers(max_workers)
+        self._workers = workers or Workers(max_workers)  # a simulation hands runs out itself
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -616,6 +617,16 @@ class Gate:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
+
+
+class Pool(Protocol):
+    """Where runs execute (scheduler.workers.Workers; a test may run them when it chooses)."""
+
+    def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def shutdown(self) -> None: ...
 
 
 class RequestDesk(Protocol):
