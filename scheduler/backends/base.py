@@ -49,6 +49,7 @@ class ClaimRequest:
     intent: Intent
     grace_s: float
     skip_threshold: int
+    fail_threshold: int = 3  # a stale run this claim marks crashed counts as a failure
 
 
 class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at once
@@ -163,9 +164,17 @@ class LockStore(Protocol):
         """From any thread: make a call hanging on a dead server fail now."""
 
     def claim_retries(
-        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+        self,
+        instance: str,
+        keys: Sequence[int],
+        capacity: int,
+        crashed: str,
+        fail_thresholds: Sequence[int] | None = None,
     ) -> Retries:
-        """Start due retries of these jobs, lock first, at most `capacity`. SessionLost."""
+        """Start due retries of these jobs, lock first, at most `capacity`. SessionLost.
+
+        `fail_thresholds` (one per key): stale runs marked crashed count as failures.
+        """
 
     def retry_due_in(self) -> float | None:
         """Seconds to the fleet's next retry, as the last heartbeat saw it (None: none)."""

@@ -149,10 +149,16 @@ class EmbeddedBackend:
         return found[0] if found else None
 
     def claim_retries(
-        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+        self,
+        instance: str,
+        keys: Sequence[int],
+        capacity: int,
+        crashed: str,
+        fail_thresholds: Sequence[int] | None = None,
     ) -> Retries:
+        thresholds = dict(zip(keys, fail_thresholds or [3] * len(keys), strict=True))
         with self._steps(instance) as steps:
-            return steps.claim_retries(keys, capacity, crashed)
+            return steps.claim_retries(keys, capacity, crashed, thresholds)
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"
@@ -211,7 +217,8 @@ class EmbeddedBackend:
             ticks = steps.record_skips(ticks)
             crashed = steps.crash_stale(ticks)
             streaks = steps.skip_streaks(ticks)
-        return [steps.result(t, crashed, streaks) for t in ticks]
+            alerts = steps.count_crashes(crashed)
+        return [steps.result(t, crashed, streaks, alerts) for t in ticks]
 
     @contextlib.contextmanager
     def _steps(self, instance: str) -> Iterator[Steps]:

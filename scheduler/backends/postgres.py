@@ -309,6 +309,7 @@ class PostgresBackend:
             "intents": pg_texts([r.intent for r in sent]),
             "graces": pg_numbers([r.grace_s for r in sent]),
             "thresholds": pg_numbers([r.skip_threshold for r in sent]),
+            "fail_thresholds": pg_numbers([r.fail_threshold for r in sent]),
         }
         with self._session() as conn:
             rows = named(conn.execute(QUERIES["claim"], params), CLAIM_COLUMNS) if sent else []
@@ -444,7 +445,12 @@ class PostgresBackend:
         return self._retry_in
 
     def claim_retries(
-        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+        self,
+        instance: str,
+        keys: Sequence[int],
+        capacity: int,
+        crashed: str,
+        fail_thresholds: Sequence[int] | None = None,
     ) -> Retries:
         params = {
             "ns": self.namespace,
@@ -452,6 +458,7 @@ class PostgresBackend:
             "keys": pg_numbers(keys),
             "capacity": capacity,
             "crashed": crashed,
+            "fail_thresholds": pg_numbers(fail_thresholds or [3] * len(keys)),
         }
         with self._session() as conn:
             rows = conn.execute(QUERIES["claim_retries"], params).all()

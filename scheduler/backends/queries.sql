@@ -6,7 +6,7 @@
 SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
     CAST(:keys AS integer[]), CAST(:names AS text[]), CAST(:ticks AS timestamptz[]),
     CAST(:intents AS text[]), CAST(:graces AS double precision[]),
-    CAST(:thresholds AS integer[]), true)
+    CAST(:thresholds AS integer[]), true, CAST(:fail_thresholds AS integer[]))
 
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).
@@ -19,7 +19,7 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
 -- name: claim_retries
 -- Due retries of these jobs taken, lock first (scheduler_claim_retries).
 SELECT * FROM scheduler_claim_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,
-    :crashed)
+    :crashed, CAST(:fail_thresholds AS integer[]))
 
 -- name: release_strays
 -- This session's job locks with no run of this replica behind them, released (the lock

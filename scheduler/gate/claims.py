@@ -48,6 +48,7 @@ def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimReque
         intent=intent,
         grace_s=grace.total_seconds(),
         skip_threshold=job.skip_threshold,
+        fail_threshold=job.fail_threshold,
     )
 
 

@@ -80,8 +80,11 @@ class RetryLook:
                 self._at = self.monotonic() + HELD_AGAIN
                 return [], []
             self._at = None
+        thresholds = [job.fail_threshold if (job := jobs.job(key)) else 3 for key in keys]
         found = self.session.round_trip(
-            lambda: self.backend.claim_retries(self.instance, keys, free, CRASHED_LOST_LOCK)
+            lambda: self.backend.claim_retries(
+                self.instance, keys, free, CRASHED_LOST_LOCK, thresholds
+            )
         )
         assert isinstance(found, Retries)
         if found.next_in is not None:

@@ -158,3 +158,36 @@ def test_a_catch_up_claim_that_meets_held_rows_gives_its_lock_back(tmp_path, dat
         no_stray_lock_reported(fleet)
     finally:
         fleet.kill_all()
+
+
+def test_a_job_whose_replica_dies_in_every_run_alerts(tmp_path, database_url):
+    """Each run is recorded crashed; crashed runs count as failures, so the streak alerts."""
+    from tests.support import Receiver
+
+    receiver = Receiver()
+    fleet = Fleet(
+        tmp_path,
+        database_url,
+        {"doomed": {"interval": "3s", "fail_alert_after": 2}},
+        {**SETTINGS, "alert_webhook_url": receiver.url()},
+        job_files=["locks.py"],
+    )
+    try:
+        for name in ("k1", "k2"):
+            fleet.start(name)
+        fleet.wait_ready()
+
+        def alerted() -> list[dict]:
+            for replica in list(fleet.replicas.values()):  # a supervisor restarts the dead
+                if replica.process.poll() is not None:
+                    fleet.start(replica.name)
+            return [b for b in receiver.bodies("job.failures_exceeded") if b["job"] == "doomed"]
+
+        (alert,) = wait_for(alerted, 120, "a failure alert for the crashing job", every=0.5)
+        assert alert["threshold"] == 2 and alert["consecutive_failures"] >= 2
+        assert "crash" in alert["text"], alert
+        crashed = [r for r in fleet.ledger("doomed") if r["status"] == "crashed"]
+        assert len(crashed) >= 2
+    finally:
+        fleet.kill_all()
+        receiver.close()

@@ -16,3 +16,13 @@ def retried(ctx: RunContext) -> None:
 @job(key=172)
 def caught(ctx: RunContext) -> None:
     exclusive(ctx, 0.3)
+
+
+@job(key=173)
+def doomed(ctx: RunContext) -> None:
+    """Its replica dies during every run (as if OOM-killed)."""
+    import os
+    import signal
+
+    record(ctx)
+    os.kill(os.getpid(), signal.SIGKILL)
