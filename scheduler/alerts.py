@@ -104,6 +104,12 @@ class Notice:
                 f"{self.job}: keeping up again: a run on {f.get('instance')} ended before its "
                 f"next tick, after {f.get('consecutive_skips')} skipped ticks"
             )
+        if self.event == FAILURES_EXCEEDED and f.get("crashed"):
+            why = f.get("error") or "its replica died or lost the job's lock"
+            return (
+                f"{self.job}: {f.get('consecutive_failures')} consecutive runs failed or "
+                f"crashed; the last crashed ({why}), found by {f.get('instance')}"
+            )
         if self.event == FAILURES_EXCEEDED:
             return (
                 f"{self.job}: {f.get('consecutive_failures')} consecutive runs failed; "

@@ -142,6 +142,13 @@ class CatalogJob:
 @dataclass(frozen=True)
 class Catalog:
     jobs: tuple[CatalogJob, ...]
+    # Indexes (a gate asks by key for every request and retry; thousands of jobs).
+    _by_key: dict[int, CatalogJob] = field(init=False, repr=False, compare=False)
+    _by_name: dict[str, CatalogJob] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_key", {job.key: job for job in self.jobs})
+        object.__setattr__(self, "_by_name", {job.name: job for job in self.jobs})
 
     def __iter__(self) -> Iterator[CatalogJob]:
         return iter(self.jobs)
@@ -150,10 +157,10 @@ class Catalog:
         return len(self.jobs)
 
     def by_name(self, name: str) -> CatalogJob | None:
-        return next((job for job in self.jobs if job.name == name), None)
+        return self._by_name.get(name)
 
     def by_key(self, key: int) -> CatalogJob | None:
-        return next((job for job in self.jobs if job.key == key), None)
+        return self._by_key.get(key)
 
     @property
     def scheduled(self) -> tuple[CatalogJob, ...]:

@@ -159,6 +159,7 @@ class CatchUp:
         """Claim the tick until it runs (here or elsewhere) or leaves the window."""
         while not self.stopped.is_set():
             result = self.gate.catch_up(job, tick)
-            if result.outcome is not Outcome.HELD:
+            # held: an older tick still runs; error: the claim failed, nothing was decided
+            if result.outcome not in (Outcome.HELD, Outcome.ERROR):
                 return
             self.stopped.wait(HELD_RETRY)

@@ -352,6 +352,7 @@ class Daemon:
         changes = reloaded.changes(self.catalog)
         reschedule(self.scheduler, reloaded.catalog, since)
         self.config, self.catalog = reloaded.config, reloaded.catalog
+        self.gate.reloaded(self.catalog.by_key)
         log.info(
             "%s: config.yaml reloaded: %s; job code is not reloaded (that needs a restart)",
             why,

@@ -107,6 +107,20 @@ class LockSessionLost:
     runs: tuple[str, ...]  # jobs whose ctx.lock_lost was set
 
 
+@dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
+class LocksReleased:
+    """Job locks this replica held with no run of them in flight, given back.
+
+    `after`: the call that failed and left them (a claim cut short: expected, a
+    warning); None: found by the heartbeat's check of the lock invariant (a fault,
+    an error, counted).
+    """
+
+    instance: str
+    jobs: tuple[tuple[int, str | None], ...]  # (key, name if this replica knows the job)
+    after: str | None
+
+
 Event = (
     RunStarted
     | RunFinished
@@ -116,6 +130,7 @@ Event = (
     | RunTimedOut
     | LockSessionUp
     | LockSessionLost
+    | LocksReleased
 )
 Listener = Callable[[Event], None]
 
@@ -150,6 +165,9 @@ class Observer:
     def lock_session_lost(self, event: LockSessionLost) -> None:
         return None
 
+    def locks_released(self, event: LocksReleased) -> None:
+        return None
+
 
 _METHODS: dict[type, str] = {
     RunStarted: "run_started",
@@ -160,4 +178,5 @@ _METHODS: dict[type, str] = {
     RunTimedOut: "run_timed_out",
     LockSessionUp: "lock_session_up",
     LockSessionLost: "lock_session_lost",
+    LocksReleased: "locks_released",
 }

@@ -139,6 +139,12 @@ class Metrics(events.Observer):
             ["job"],
             registry=r,
         )
+        self.stray_locks = Counter(
+            "scheduler_stray_locks_released",
+            "Job locks the heartbeat found held with no run of the job in flight, released.",
+            ["job"],
+            registry=r,
+        )
         for job in jobs or []:
             self.consecutive_skips.labels(job=job).set(0)
             self.running.labels(job=job).set(0)
@@ -181,6 +187,11 @@ class Metrics(events.Observer):
         self.lock_lost.inc()
         for job in event.runs:
             self.runs_lost.labels(job=job).inc()
+
+    def locks_released(self, event: events.LocksReleased) -> None:
+        if event.after is None:  # a stray found by the check, not a failed claim's leftovers
+            for key, name in event.jobs:
+                self.stray_locks.labels(job=name or str(key)).inc()
 
     def alert(self, name: str, job: str) -> None:
         self.alerts.labels(event=name, job=job).inc()

@@ -104,6 +104,11 @@ class Desk:
     def keys(self) -> list[int]:
         return [job.key for job in self.jobs()]
 
+    def enabled_keys(self) -> list[int]:
+        """Jobs whose retries and caught-up ticks run here: a disabled job starts nothing
+        but a run a person asks for."""
+        return [job.key for job in self.jobs() if job.enabled]
+
     def job(self, key: int) -> CatalogJob | None:
         return self.jobs().by_key(key)
 

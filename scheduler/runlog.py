@@ -181,3 +181,21 @@ class _Lines(events.Observer):
             ", ".join(event.runs) or "no running job",
             extra={"instance": event.instance, "lost_runs": list(event.runs)},
         )
+
+    def locks_released(self, event: events.LocksReleased) -> None:
+        jobs = ", ".join(name or f"key {key}" for key, name in event.jobs)
+        if event.after is None:
+            self.add(
+                logging.ERROR,
+                "stray lock(s) released: %s held with no run in flight on this replica",
+                jobs,
+                extra={"instance": event.instance, "jobs": [key for key, _ in event.jobs]},
+            )
+        else:
+            self.add(
+                logging.WARNING,
+                "gave back lock(s) of %s left by a failed %s",
+                jobs,
+                event.after,
+                extra={"instance": event.instance, "jobs": [key for key, _ in event.jobs]},
+            )

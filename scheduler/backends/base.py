@@ -8,7 +8,7 @@ atomically and in one round trip, following the protocol told in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -37,6 +37,7 @@ class Outcome(StrEnum):
     YIELDED = "yielded"  # another live replica's share of the burst: try again shortly
     MISSED = "missed"  # this replica recorded the tick as missed
     HELD = "held"  # manual trigger only: the lock is held elsewhere
+    ERROR = "error"  # the claim itself failed (a statement cut short): nothing was decided
     PAUSED = "paused"  # the job is paused for the fleet: this replica recorded the tick paused
 
 
@@ -48,6 +49,7 @@ class ClaimRequest:
     intent: Intent
     grace_s: float
     skip_threshold: int
+    fail_threshold: int = 3  # a stale run this claim marks crashed counts as a failure
 
 
 class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at once
@@ -135,8 +137,16 @@ class LockStore(Protocol):
         Raises SessionLost.
         """
 
-    def release(self, keys: Sequence[int]) -> None:
-        """Release locks a failed claim may have taken; raises SessionLost."""
+    def held_keys(self) -> set[int]:
+        """The job locks this session holds now. Raises SessionLost."""
+
+    def release_strays(self, expected: Collection[int]) -> list[int]:
+        """Release every job lock this session holds other than `expected` (the jobs this
+        replica runs), however many times it was taken; returns the keys released.
+
+        The lock invariant's one enforcer: called after any call that may have taken
+        locks fails, and at every heartbeat. Raises SessionLost.
+        """
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         """Record finished runs and release their locks; raises SessionLost."""
@@ -154,9 +164,17 @@ class LockStore(Protocol):
         """From any thread: make a call hanging on a dead server fail now."""
 
     def claim_retries(
-        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+        self,
+        instance: str,
+        keys: Sequence[int],
+        capacity: int,
+        crashed: str,
+        fail_thresholds: Sequence[int] | None = None,
     ) -> Retries:
-        """Start due retries of these jobs, lock first, at most `capacity`. SessionLost."""
+        """Start due retries of these jobs, lock first, at most `capacity`. SessionLost.
+
+        `fail_thresholds` (one per key): stale runs marked crashed count as failures.
+        """
 
     def retry_due_in(self) -> float | None:
         """Seconds to the fleet's next retry, as the last heartbeat saw it (None: none)."""

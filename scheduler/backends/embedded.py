@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -149,10 +149,16 @@ class EmbeddedBackend:
         return found[0] if found else None
 
     def claim_retries(
-        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+        self,
+        instance: str,
+        keys: Sequence[int],
+        capacity: int,
+        crashed: str,
+        fail_thresholds: Sequence[int] | None = None,
     ) -> Retries:
+        thresholds = dict(zip(keys, fail_thresholds or [3] * len(keys), strict=True))
         with self._steps(instance) as steps:
-            return steps.claim_retries(keys, capacity, crashed)
+            return steps.claim_retries(keys, capacity, crashed, thresholds)
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"
@@ -189,9 +195,14 @@ class EmbeddedBackend:
                 held[row.key] = row.instance
         return held
 
-    def release(self, keys: Sequence[int]) -> None:
-        for key in keys:
+    def held_keys(self) -> set[int]:
+        return self.locks.held()
+
+    def release_strays(self, expected: Collection[int]) -> list[int]:
+        strays = sorted(self.locks.held() - set(expected))
+        for key in strays:
             self.locks.unlock(key)
+        return strays
 
     # -- the claim and the finish: the steps of postgres.sql (see embedded_steps.py) -----
 
@@ -206,7 +217,8 @@ class EmbeddedBackend:
             ticks = steps.record_skips(ticks)
             crashed = steps.crash_stale(ticks)
             streaks = steps.skip_streaks(ticks)
-        return [steps.result(t, crashed, streaks) for t in ticks]
+            alerts = steps.count_crashes(crashed)
+        return [steps.result(t, crashed, streaks, alerts) for t in ticks]
 
     @contextlib.contextmanager
     def _steps(self, instance: str) -> Iterator[Steps]:

@@ -43,10 +43,20 @@ class Tick:
     started_at: datetime | None = None
     holder: str | None = None
     holder_since: datetime | None = None
+    by_hand: bool = False  # skipped: the run holding the lock is one a person asked for
 
     @property
     def key(self) -> int:
         return self.request.key
+
+
+@dataclass(frozen=True)
+class Crashes:
+    """Stale runs of one job a claim marked crashed: how many, and the newest one's tick."""
+
+    request: ClaimRequest  # the claim or retry that found them (job name, fail threshold)
+    count: int
+    newest: datetime
 
 
 class Steps:
@@ -92,7 +102,7 @@ class Steps:
                 if self.locks.try_lock(tick.key):
                     self.taken.append(tick.key)
                 else:
-                    instance, since = self._holder(tick.key, exclude=set())
+                    instance, since, _ = self._holder(tick.key, exclude=set())
                     tick = replace(tick, fate=Outcome.HELD, holder=instance, holder_since=since)
             out.append(tick)
         return out
@@ -142,32 +152,73 @@ class Steps:
         out = []
         for tick in ticks:
             if tick.fate is Status.SKIPPED:
-                instance, since = self._holder(tick.key, exclude=own)
+                instance, since, by_hand = self._holder(tick.key, exclude=own)
                 self.conn.execute(
                     update(t)
                     .where(t.c.job_key == tick.key, t.c.scheduled_at == tick.request.scheduled_at)
                     .values(status=Status.SKIPPED, run_id=None, started_at=None, holder=instance)
                 )
                 tick = replace(
-                    tick, run_id=None, started_at=None, holder=instance, holder_since=since
+                    tick,
+                    run_id=None,
+                    started_at=None,
+                    holder=instance,
+                    holder_since=since,
+                    by_hand=by_hand,
                 )
             out.append(tick)
         return out
 
-    def crash_stale(self, ticks: list[Tick]) -> dict[int, int]:
-        return {
-            tick.key: self._crash_others(tick.key, tick.request.scheduled_at, CRASHED_LOST_LOCK)
+    def crash_stale(self, ticks: list[Tick]) -> dict[int, Crashes]:
+        found = {
+            tick.key: self._crash_others(tick.request, CRASHED_LOST_LOCK)
             for tick in ticks
             if tick.fate is Status.RUNNING
         }
+        return {key: crashes for key, crashes in found.items() if crashes.count}
+
+    def count_crashes(self, crashes: dict[int, Crashes]) -> dict[int, int]:
+        """Crashed runs count as failures (scheduler_count_crashes): key -> its alert, if any.
+
+        The failure streak grows by the runs crashed, and alerts once when it first
+        reaches the threshold in force; the notice says the runs crashed.
+        """
+        j = ledger.jobs
+        alerts = {}
+        for key in sorted(crashes):
+            found = crashes[key]
+            self._ensure_job(key, found.request.name)
+            row = self.conn.execute(select(j).where(j.c.job_key == key)).one()
+            failures = row.consecutive_failures + found.count
+            threshold = found.request.fail_threshold
+            alerting = not row.fail_alerted and failures >= threshold
+            self.conn.execute(
+                update(j)
+                .where(j.c.job_key == key)
+                .values(consecutive_failures=failures, fail_alerted=row.fail_alerted or alerting)
+            )
+            if alerting:
+                request = replace(found.request, scheduled_at=found.newest)
+                alerts[key] = self._notice(
+                    "job.failures_exceeded",
+                    request,
+                    consecutive_failures=failures,
+                    threshold=threshold,
+                    instance=self.instance,
+                    crashed=found.count,
+                )
+        return alerts
 
     def skip_streaks(self, ticks: list[Tick]) -> Streaks:
-        """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends."""
+        """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends.
+
+        A tick skipped behind a run a person asked for counts in no streak.
+        """
         j = ledger.jobs
         out: Streaks = {}
-        counted = (Status.RUNNING, Status.SKIPPED)
-        for key in sorted({t.key for t in ticks if t.fate in counted}):
-            mine = [t for t in ticks if t.key == key and t.fate in counted]
+        counted = [t for t in ticks if t.fate is Status.RUNNING or _overran(t)]
+        for key in sorted({t.key for t in counted}):
+            mine = [t for t in counted if t.key == key]
             skipped = [t for t in mine if t.fate is Status.SKIPPED]
             ran = len(skipped) < len(mine)
             self._ensure_job(key, mine[0].request.name)
@@ -195,7 +246,9 @@ class Steps:
         return out
 
     @staticmethod
-    def result(tick: Tick, crashed: dict[int, int], streaks: Streaks) -> ClaimResult:
+    def result(
+        tick: Tick, crashed: dict[int, Crashes], streaks: Streaks, alerts: dict[int, int]
+    ) -> ClaimResult:
         r = tick.request
         outcome = Outcome.RUN if tick.fate is Status.RUNNING else Outcome(tick.fate)
         streak, alert, notice = streaks.get((r.key, r.scheduled_at)) or streaks.get(
@@ -203,6 +256,8 @@ class Steps:
         )
         if outcome not in (Outcome.RUN, Outcome.SKIPPED):
             streak, alert, notice = 0, False, None
+        if outcome is Outcome.RUN and notice is None:
+            notice = alerts.get(r.key)  # its crashed predecessors reached fail_alert_after
         return ClaimResult(
             r.key,
             r.scheduled_at,
@@ -213,7 +268,7 @@ class Steps:
             tick.holder_since,
             streak,
             alert,
-            crashed.get(r.key, 0) if outcome is Outcome.RUN else 0,
+            crashed[r.key].count if outcome is Outcome.RUN and r.key in crashed else 0,
             () if notice is None else (notice,),
         )
 
@@ -256,14 +311,18 @@ class Steps:
         j = ledger.jobs
         out: dict[int, tuple[int | None, bool, bool, bool, tuple[int, ...]]] = {}
         for r, recorded, _, finished in sorted(done, key=lambda d: d[0].key):
-            if not recorded or r.status not in (Status.SUCCEEDED, Status.FAILED):
+            ended = (Status.SUCCEEDED, Status.FAILED, Status.CRASHED)  # crashed: abandoned
+            if not recorded or r.status not in ended:
                 continue
             if r.retry_in_s is not None:  # another attempt is to come: not the tick's end
                 continue
             self._ensure_job(r.key, self._job_name(r))
             row = self.conn.execute(select(j).where(j.c.job_key == r.key)).one()
-            kept_up = r.next_due is None or (finished is not None and finished <= r.next_due)
-            failed = r.status == Status.FAILED
+            crashed = r.status == Status.CRASHED  # at shutdown: ends its tick as a failure
+            kept_up = not crashed and (
+                r.next_due is None or (finished is not None and finished <= r.next_due)
+            )
+            failed = r.status in (Status.FAILED, Status.CRASHED)
             failures = row.consecutive_failures + 1 if failed else 0
             fail_alert = failed and not row.fail_alerted and failures >= r.fail_threshold
             recovered = not failed and row.fail_alerted
@@ -282,7 +341,7 @@ class Steps:
             due = [
                 (fail_alert, "job.failures_exceeded", {
                     "consecutive_failures": failures, "threshold": r.fail_threshold,
-                    **who, "error": r.error,
+                    **who, "error": r.error, "crashed": int(crashed),
                 }),
                 (recovered, "job.failures_recovered", {
                     "consecutive_failures": row.consecutive_failures, **who,
@@ -301,11 +360,14 @@ class Steps:
 
     # -- scheduler_claim_retries ---------------------------------------------------------
 
-    def claim_retries(self, keys: Sequence[int], capacity: int, crashed: str) -> Retries:
+    def claim_retries(
+        self, keys: Sequence[int], capacity: int, crashed: str, thresholds: dict[int, int]
+    ) -> Retries:
         """Due retries of these jobs, lock first; one attempt per job (as in postgres.sql)."""
         t = ledger.ticks
         waiting = self._waiting_retries(keys)
         started: list[ClaimResult] = []
+        crashes: dict[int, Crashes] = {}
         for row in waiting:  # oldest tick first, as postgres.sql takes them
             if len(started) >= capacity:
                 break
@@ -348,7 +410,13 @@ class Steps:
                     holder=None,
                 )
             )
-            stale = self._crash_others(row.job_key, row.scheduled_at, crashed)
+            request = ClaimRequest(
+                row.job_key, row.job_name, row.scheduled_at, Intent.RUN, 0, 0,
+                thresholds.get(row.job_key, 3),
+            )  # fmt: skip
+            stale = self._crash_others(request, crashed)
+            if stale.count:
+                crashes[row.job_key] = stale
             started.append(
                 ClaimResult(
                     row.job_key,
@@ -356,10 +424,11 @@ class Steps:
                     Outcome.RUN,
                     run_id,
                     self.now,
-                    crashed=stale,
+                    crashed=stale.count,
                     attempt=row.attempt + 1,
                 )
             )
+        self.count_crashes(crashes)  # after every attempt is started, as in postgres.sql
         taken = {r.key for r in started}
         later = [r.retry_at for r in waiting if r.job_key not in taken]
         next_in = (min(later) - self.now).total_seconds() if later else None
@@ -381,16 +450,21 @@ class Steps:
 
     # -- shared -------------------------------------------------------------------------
 
-    def _crash_others(self, key: int, tick: datetime, message: str) -> int:
+    def _crash_others(self, r: ClaimRequest, message: str) -> Crashes:
         """With the job's lock in hand, its other `running` rows are stale: crashed."""
         t = ledger.ticks
-        return int(
-            self.conn.execute(
-                update(t)
-                .where(t.c.job_key == key, t.c.status == Status.RUNNING, t.c.scheduled_at != tick)
-                .values(status=Status.CRASHED, finished_at=self.now, error=message)
-            ).rowcount
-        )
+        marked = self.conn.execute(
+            update(t)
+            .where(
+                t.c.job_key == r.key,
+                t.c.status == Status.RUNNING,
+                t.c.scheduled_at != r.scheduled_at,
+            )
+            .values(status=Status.CRASHED, finished_at=self.now, error=message)
+            .returning(t.c.scheduled_at)
+        ).all()
+        newest = max((row.scheduled_at for row in marked), default=r.scheduled_at)
+        return Crashes(r, len(marked), newest)
 
     def _has_row(self, key: int, tick: datetime) -> bool:
         t = ledger.ticks
@@ -404,16 +478,17 @@ class Steps:
         query = select(p.c.job_key).where(p.c.job_key.in_(sorted(keys)))
         return {row.job_key for row in self.conn.execute(query)}
 
-    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any]:
-        """Whose run holds the job now: its newest `running` row not in `exclude`."""
+    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any, bool]:
+        """Whose run holds the job now: its newest `running` row not in `exclude`, and
+        whether a person asked for it."""
         t = ledger.ticks
         rows = self.conn.execute(
-            select(t.c.instance, t.c.started_at, t.c.scheduled_at)
+            select(t.c.instance, t.c.started_at, t.c.scheduled_at, t.c.manual)
             .where(t.c.job_key == key, t.c.status == Status.RUNNING)
             .order_by(t.c.scheduled_at.desc())
         )
         row = next((row for row in rows if (key, row.scheduled_at) not in exclude), None)
-        return (row.instance, row.started_at) if row else (None, None)
+        return (row.instance, row.started_at, bool(row.manual)) if row else (None, None, False)
 
     def _next_run_id(self) -> int:
         c = ledger.counters
@@ -454,3 +529,8 @@ class Steps:
             scheduled_at=r.scheduled_at,
             deliverer=self.instance,
         )
+
+
+def _overran(tick: Tick) -> bool:
+    """A skip that counts in the job's skip streak: not one behind a run asked for by hand."""
+    return tick.fate is Status.SKIPPED and not tick.by_hand

@@ -66,6 +66,10 @@ class FileLocks:
         if fd is not None:
             _release(fd)
 
+    def held(self) -> set[int]:
+        """The job keys locked here now."""
+        return set(self._held)
+
     def is_free(self, key: int) -> bool:
         """Probe without keeping the lock (status, and the crash sweep)."""
         if key in self._held:

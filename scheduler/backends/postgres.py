@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -309,6 +309,7 @@ class PostgresBackend:
             "intents": pg_texts([r.intent for r in sent]),
             "graces": pg_numbers([r.grace_s for r in sent]),
             "thresholds": pg_numbers([r.skip_threshold for r in sent]),
+            "fail_thresholds": pg_numbers([r.fail_threshold for r in sent]),
         }
         with self._session() as conn:
             rows = named(conn.execute(QUERIES["claim"], params), CLAIM_COLUMNS) if sent else []
@@ -382,10 +383,14 @@ class PostgresBackend:
             (yielded if theirs else sent).append(r)
         return sent, yielded
 
-    def release(self, keys: Sequence[int]) -> None:
-        """Release locks a failed claim may have taken (they outlive a rollback)."""
+    def held_keys(self) -> set[int]:
         with self._session() as conn:
-            conn.execute(QUERIES["release"], {"ns": self.namespace, "keys": pg_numbers(keys)})
+            return {row.key for row in conn.execute(QUERIES["own_locks"], {"ns": self.namespace})}
+
+    def release_strays(self, expected: Collection[int]) -> list[int]:
+        params = {"ns": self.namespace, "expected": pg_numbers(sorted(expected))}
+        with self._session() as conn:
+            return [row.key for row in conn.execute(QUERIES["release_strays"], params)]
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         params = {
@@ -440,7 +445,12 @@ class PostgresBackend:
         return self._retry_in
 
     def claim_retries(
-        self, instance: str, keys: Sequence[int], capacity: int, crashed: str
+        self,
+        instance: str,
+        keys: Sequence[int],
+        capacity: int,
+        crashed: str,
+        fail_thresholds: Sequence[int] | None = None,
     ) -> Retries:
         params = {
             "ns": self.namespace,
@@ -448,6 +458,7 @@ class PostgresBackend:
             "keys": pg_numbers(keys),
             "capacity": capacity,
             "crashed": crashed,
+            "fail_thresholds": pg_numbers(fail_thresholds or [3] * len(keys)),
         }
         with self._session() as conn:
             rows = conn.execute(QUERIES["claim_retries"], params).all()

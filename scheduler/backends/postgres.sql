@@ -29,6 +29,30 @@ LANGUAGE sql STABLE AS $$
        AND l.classid = (p_namespace::bigint & 4294967295)::oid
 $$;
 
+-- The lock invariant: a replica holds a job's lock only while it has a run or a claim of
+-- that job in flight. This session's job locks other than `p_expected` (the jobs it runs)
+-- are strays, left by a claim whose transaction failed (advisory locks outlive a
+-- rollback) or by a reply that was lost: each is released, however many times it was
+-- taken (advisory locks stack within a session), and its key returned.
+CREATE FUNCTION scheduler_release_strays(p_namespace integer, p_expected integer[])
+RETURNS SETOF integer LANGUAGE plpgsql AS $$
+DECLARE
+    k integer;
+BEGIN
+    FOR k IN SELECT l.key FROM scheduler_locks(p_namespace) l
+              WHERE l.pid = pg_backend_pid() AND NOT l.shared
+                AND l.key BETWEEN 1 AND 2147483647 AND NOT (l.key = ANY (p_expected))
+              ORDER BY l.key
+    LOOP
+        WHILE EXISTS (SELECT 1 FROM scheduler_locks(p_namespace) l
+                       WHERE l.pid = pg_backend_pid() AND l.key = k AND NOT l.shared) LOOP
+            PERFORM pg_advisory_unlock(p_namespace, k);
+        END LOOP;
+        RETURN NEXT k;
+    END LOOP;
+END;
+$$;
+
 -- The live replicas (sessions holding the shared presence lock) and this one's rank.
 CREATE FUNCTION scheduler_fleet(p_namespace integer, OUT live integer, OUT rank integer)
 LANGUAGE plpgsql STABLE AS $$
@@ -58,14 +82,18 @@ CREATE TYPE scheduler_tick AS (
     run_id       bigint,
     started_at   timestamptz,
     holder       text,
-    holder_since timestamptz
+    holder_since timestamptz,
+    by_hand      boolean, -- skipped: the run holding the lock is one a person asked for
+    fail_threshold integer -- the job's fail_alert_after (crashed runs count as failures)
 );
 
--- Whose run holds a job now: its newest `running` row, other than ticks of this claim.
+-- Whose run holds a job now: its newest `running` row, other than ticks of this claim, and
+-- whether a person asked for it (a run-now).
 CREATE FUNCTION scheduler_holder(
-    p_key integer, p_ticks scheduler_tick[], OUT instance text, OUT since timestamptz
+    p_key integer, p_ticks scheduler_tick[], OUT instance text, OUT since timestamptz,
+    OUT by_hand boolean
 ) LANGUAGE sql STABLE AS $$
-    SELECT r.instance, r.started_at FROM scheduler_ticks r
+    SELECT r.instance, r.started_at, r.manual FROM scheduler_ticks r
      WHERE r.job_key = p_key AND r.status = 'running'
        AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c)
      ORDER BY r.scheduled_at DESC LIMIT 1
@@ -84,7 +112,7 @@ $$;
 CREATE FUNCTION scheduler_choose(
     p_capacity integer, p_takeover double precision, p_live integer, p_rank integer,
     p_keys integer[], p_names text[], p_ticks timestamptz[], p_intents text[],
-    p_graces double precision[], p_thresholds integer[]
+    p_graces double precision[], p_thresholds integer[], p_fail_thresholds integer[]
 ) RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
@@ -99,8 +127,9 @@ BEGIN
                         WHERE t.job_key = q.key AND t.scheduled_at = q.tick) AS taken,
                q.intent <> 'manual'
                    AND EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = q.key) AS paused
-          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds)
-               AS q(key, name, tick, intent, grace, threshold)
+          FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds,
+                      p_fail_thresholds)
+               AS q(key, name, tick, intent, grace, threshold, fail_threshold)
     ), runs AS (
         SELECT q.key, q.tick FROM q
          WHERE q.intent = 'run' AND NOT q.paused AND NOT q.late AND q.mine AND NOT q.taken
@@ -112,7 +141,8 @@ BEGIN
                 WHEN q.intent = 'manual' THEN 'running'
                 WHEN q.late THEN 'missed'
                 ELSE 'running' END,  -- catch_up: running (its lock is taken first, below)
-           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz
+           NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::boolean,
+           q.fail_threshold
       FROM q
      WHERE q.paused OR q.intent IN ('skip', 'manual', 'catch_up') OR (q.intent = 'run' AND q.late)
         OR (q.key, q.tick) IN (SELECT runs.key, runs.tick FROM runs);
@@ -165,7 +195,7 @@ BEGIN
     )
     SELECT c.key, c.name, c.tick, c.intent, c.threshold,
            CASE WHEN c.fate = 'held' OR i.job_key IS NOT NULL THEN c.fate ELSE 'lost' END,
-           i.run_id, i.started_at, c.holder, c.holder_since
+           i.run_id, i.started_at, c.holder, c.holder_since, c.by_hand, c.fail_threshold
       FROM unnest(p_ticks) c
       LEFT JOIN inserted i ON i.job_key = c.key AND i.scheduled_at = c.tick;
 END;
@@ -190,7 +220,48 @@ BEGIN
 END;
 $$;
 
--- Step 5. Record skips: each skipped tick's row says whose run held the lock.
+-- Step 4b. Pauses, again. Each statement sees what was committed before it began, so a
+-- pause committed while this claim waited (on a row another claim had inserted, on a
+-- row lock) was not seen by step 1; it was acknowledged to whoever paused, so the tick
+-- must not start. A tick of a paused job about to start (not a manual run: a person
+-- asked) is recorded paused instead, and the lock it took is given back. If the claim
+-- waited at all, its runs' start is stamped now, after the wait. (The embedded backend
+-- needs no such step: its claim is one writer's transaction from its first read.)
+CREATE FUNCTION scheduler_recheck_pauses(p_namespace integer, p_ticks scheduler_tick[])
+RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
+DECLARE
+    t scheduler_tick;
+    v_paused integer[];
+    v_now timestamptz := clock_timestamp();
+    v_waited boolean := clock_timestamp() - statement_timestamp() > interval '100 ms';
+BEGIN
+    v_paused := ARRAY(SELECT c.key FROM unnest(p_ticks) c
+                       WHERE c.fate = 'running' AND c.intent IN ('run', 'catch_up')
+                         AND EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = c.key));
+    IF cardinality(v_paused) = 0 AND NOT v_waited THEN
+        RETURN QUERY SELECT * FROM unnest(p_ticks);
+        RETURN;
+    END IF;
+    FOR t IN SELECT * FROM unnest(p_ticks) ORDER BY tick, key LOOP
+        IF t.fate = 'running' AND t.key = ANY (v_paused) AND t.intent IN ('run', 'catch_up') THEN
+            UPDATE scheduler_ticks r SET status = 'paused', run_id = NULL, started_at = NULL,
+                   caught_up = false
+             WHERE r.job_key = t.key AND r.scheduled_at = t.tick;
+            PERFORM pg_advisory_unlock(p_namespace, t.key);
+            t.fate := 'paused'; t.run_id := NULL; t.started_at := NULL;
+        ELSIF t.fate = 'running' AND v_waited THEN
+            UPDATE scheduler_ticks r SET started_at = v_now
+             WHERE r.job_key = t.key AND r.scheduled_at = t.tick;
+            t.started_at := v_now;
+        END IF;
+        RETURN NEXT t;
+    END LOOP;
+END;
+$$;
+
+-- Step 5. Record skips: each skipped tick's row says whose run held the lock. A tick
+-- skipped because a run a person asked for (run-now) was still going is recorded so too,
+-- but is not the job overrunning its schedule: it counts in no skip streak (step 7).
 CREATE FUNCTION scheduler_record_skips(p_ticks scheduler_tick[])
 RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -199,7 +270,7 @@ BEGIN
     WITH skipped AS (
         SELECT s.* FROM unnest(p_ticks) s WHERE s.fate = 'skipped'
     ), holders AS (
-        SELECT DISTINCT s.key AS job_key, h.instance, h.since AS started_at
+        SELECT DISTINCT s.key AS job_key, h.instance, h.since AS started_at, h.by_hand
           FROM skipped s, LATERAL scheduler_holder(s.key, p_ticks) h
     ), updated AS (
         UPDATE scheduler_ticks r
@@ -208,26 +279,29 @@ BEGIN
          WHERE r.job_key = s.key AND r.scheduled_at = s.tick
            AND r.job_key = ANY (ARRAY(SELECT skipped.key FROM skipped))
            AND r.scheduled_at = ANY (ARRAY(SELECT skipped.tick FROM skipped))
-        RETURNING r.job_key, r.scheduled_at, h.instance, h.started_at
+        RETURNING r.job_key, r.scheduled_at, h.instance, h.started_at, h.by_hand
     )
     SELECT c.key, c.name, c.tick, c.intent, c.threshold, c.fate,
            CASE WHEN c.fate = 'skipped' THEN NULL ELSE c.run_id END,
            CASE WHEN c.fate = 'skipped' THEN NULL ELSE c.started_at END,
-           u.instance, u.started_at
+           u.instance, u.started_at, coalesce(u.by_hand, false), c.fail_threshold
       FROM unnest(p_ticks) c
       LEFT JOIN updated u ON u.job_key = c.key AND u.scheduled_at = c.tick;
 END;
 $$;
 
 -- Step 6. Crash stale runs: this replica now holds the locks of the jobs it starts, so any
--- other `running` row of those jobs belongs to a replica that died or lost the lock.
+-- other `running` row of those jobs belongs to a replica that died or lost the lock. They
+-- count as failures (scheduler_count_crashes), once the claim's job rows are locked.
 CREATE FUNCTION scheduler_crash_stale(p_ticks scheduler_tick[], p_message text)
-RETURNS TABLE (key integer, crashed integer) LANGUAGE plpgsql AS $$
+RETURNS TABLE (key integer, crashed integer, newest timestamptz, name text,
+               fail_threshold integer) LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
     WITH runs AS (
-        SELECT c.key, c.tick FROM unnest(p_ticks) c WHERE c.fate = 'running'
+        SELECT c.key, c.tick, c.name, c.fail_threshold FROM unnest(p_ticks) c
+         WHERE c.fate = 'running'
     ), stale AS (
         SELECT r.job_key, r.scheduled_at
           FROM scheduler_ticks r JOIN runs ON r.job_key = runs.key
@@ -241,9 +315,63 @@ BEGIN
           FROM stale
          WHERE r.job_key = stale.job_key AND r.scheduled_at = stale.scheduled_at
            AND r.status = 'running'
-        RETURNING r.job_key
+        RETURNING r.job_key, r.scheduled_at
     )
-    SELECT marked.job_key, count(*)::integer FROM marked GROUP BY marked.job_key;
+    SELECT m.job_key, count(*)::integer, max(m.scheduled_at), min(runs.name),
+           min(runs.fail_threshold)
+      FROM marked m JOIN runs ON runs.key = m.job_key GROUP BY m.job_key;
+END;
+$$;
+
+-- Crashed runs end their ticks as failures do (a job whose replica is OOM-killed in every
+-- run must alert): each grows its job's failure streak, which alerts once when it first
+-- reaches the threshold in force; the notice says the runs crashed. Every path that
+-- records `crashed` counts them here: a claim or a retry look that finds a dead replica's
+-- run (step 6) and the housekeeping sweep; a finish that records a run abandoned at
+-- shutdown counts it in scheduler_finish_streaks. Rows of scheduler_jobs in key order.
+CREATE FUNCTION scheduler_count_crashes(
+    p_instance text, p_keys integer[], p_names text[], p_counts integer[],
+    p_ticks timestamptz[], p_thresholds integer[]
+) RETURNS TABLE (key integer, failures integer, notice bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
+    SELECT c.key, c.name, now() FROM unnest(p_keys, p_names) AS c(key, name)
+     ORDER BY c.key
+    ON CONFLICT DO NOTHING;
+    RETURN QUERY
+    WITH c AS (
+        SELECT * FROM unnest(p_keys, p_counts, p_ticks, p_thresholds)
+                   AS c(key, n, tick, threshold)
+    ), locked AS (
+        SELECT j.job_key, j.job_name, j.consecutive_failures, j.fail_alerted
+          FROM scheduler_jobs j JOIN c ON c.key = j.job_key
+         ORDER BY j.job_key
+           FOR UPDATE OF j
+    ), updated AS (
+        UPDATE scheduler_jobs j
+           SET consecutive_failures = l.consecutive_failures + c.n,
+               fail_alerted = l.fail_alerted OR l.consecutive_failures + c.n >= c.threshold
+          FROM locked l JOIN c ON c.key = l.job_key
+         WHERE j.job_key = l.job_key
+        RETURNING j.job_key, l.job_name, c.n, c.tick, c.threshold,
+                  j.consecutive_failures AS failures,
+                  NOT l.fail_alerted AND j.fail_alerted AS alerting
+    ), alerts AS (
+        INSERT INTO scheduler_notices
+               (event, job_key, job_name, scheduled_at, facts, raised_by, raised_at,
+                lease_by, lease_until, next_attempt_at)
+        SELECT 'job.failures_exceeded', u.job_key, u.job_name, u.tick,
+               json_build_object(
+                   'consecutive_failures', u.failures, 'threshold', u.threshold,
+                   'instance', p_instance, 'crashed', u.n)::text,
+               p_instance, now(), p_instance, now() + interval '30 seconds', now()
+          FROM updated u
+         WHERE u.alerting
+        RETURNING id, scheduler_notices.job_key
+    )
+    SELECT u.job_key, u.failures, a.id FROM updated u LEFT JOIN alerts a ON a.job_key = u.job_key;
 END;
 $$;
 
@@ -258,14 +386,15 @@ LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
     SELECT c.key, min(c.name), now() FROM unnest(p_ticks) c
-     WHERE c.fate = 'skipped' GROUP BY c.key ORDER BY c.key
+     WHERE c.fate = 'skipped' AND NOT c.by_hand GROUP BY c.key ORDER BY c.key
     ON CONFLICT DO NOTHING;
     RETURN QUERY
     WITH per_job AS (
         SELECT c.key, bool_or(c.fate = 'running') AS ran,
                count(*) FILTER (WHERE c.fate = 'skipped')::integer AS skips,
                min(c.threshold) AS threshold
-          FROM unnest(p_ticks) c WHERE c.fate IN ('running', 'skipped') GROUP BY c.key
+          FROM unnest(p_ticks) c
+         WHERE c.fate = 'running' OR (c.fate = 'skipped' AND NOT c.by_hand) GROUP BY c.key
     ), locked AS (
         SELECT j.job_key, j.job_name, j.consecutive_skips, j.skip_alerted
           FROM scheduler_jobs j JOIN per_job p ON p.key = j.job_key
@@ -286,7 +415,7 @@ BEGIN
         SELECT c.key, c.tick, c.holder, c.holder_since, u.before + row_number()
                    OVER (PARTITION BY c.key ORDER BY c.tick) AS streak, u.*
           FROM unnest(p_ticks) c JOIN updated u ON u.job_key = c.key
-         WHERE c.fate = 'skipped'
+         WHERE c.fate = 'skipped' AND NOT c.by_hand
     ), alerts AS (
         INSERT INTO scheduler_notices
                (event, job_key, job_name, scheduled_at, facts, raised_by, raised_at,
@@ -333,7 +462,9 @@ CREATE FUNCTION scheduler_claim(
     p_thresholds integer[],
     -- Callers of a version before pauses (a rolling upgrade) do not know the outcome
     -- `paused`: their paused ticks are left out of the answer, which they read as lost.
-    p_answer_paused boolean DEFAULT false
+    p_answer_paused boolean DEFAULT false,
+    -- Each job's fail_alert_after (crashed runs count as failures); older callers: 3.
+    p_fail_thresholds integer[] DEFAULT NULL
 ) RETURNS TABLE (
     job_key        integer,
     scheduled_at   timestamptz,
@@ -364,6 +495,11 @@ DECLARE
     v_last scheduler_tick;
     v_stale_keys integer[];
     v_stale_counts integer[];
+    v_stale_ticks timestamptz[];
+    v_stale_names text[];
+    v_stale_thresholds integer[];
+    v_crash_keys integer[];
+    v_crash_notices bigint[];
     v_streak_keys integer[];
     v_streak_ticks timestamptz[];
     v_streak_values integer[];
@@ -373,7 +509,8 @@ BEGIN
     SELECT f.live, f.rank INTO v_live, v_rank FROM scheduler_fleet(p_namespace) f;
     v_ticks := ARRAY(SELECT c FROM scheduler_choose(
         p_capacity, p_takeover, CASE WHEN cardinality(p_keys) < p_share_from THEN 1 ELSE v_live END,
-        v_rank, p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds) c);
+        v_rank, p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds,
+        coalesce(p_fail_thresholds, array_fill(3, ARRAY[cardinality(p_keys)]))) c);
     IF (SELECT count(*) FROM unnest(v_ticks) c WHERE c.intent = 'run' AND c.fate = 'running')
        >= p_capacity THEN
         -- This replica's ticks after this one were left for lack of free workers.
@@ -385,12 +522,30 @@ BEGIN
     PERFORM pg_advisory_unlock(p_namespace, c.key)  -- a manual run that lost its row
        FROM unnest(v_ticks) c WHERE c.intent IN ('manual', 'catch_up') AND c.fate = 'lost';
     v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_recheck_pauses(p_namespace, v_ticks) c);
     IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN
         v_ticks := ARRAY(SELECT c FROM scheduler_record_skips(v_ticks) c);
     END IF;
     IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'running') THEN
-        SELECT array_agg(s.key), array_agg(s.crashed) INTO v_stale_keys, v_stale_counts
+        SELECT array_agg(s.key), array_agg(s.crashed), array_agg(s.newest), array_agg(s.name),
+               array_agg(s.fail_threshold)
+          INTO v_stale_keys, v_stale_counts, v_stale_ticks, v_stale_names, v_stale_thresholds
           FROM scheduler_crash_stale(v_ticks, p_crashed) s;
+    END IF;
+    IF v_stale_keys IS NOT NULL THEN
+        -- The rows of scheduler_jobs both this count and step 7 touch, made and locked
+        -- once, in key order (two passes could cross another claim's).
+        INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
+        SELECT c.key, min(c.name), now() FROM unnest(v_ticks) c
+         WHERE c.fate IN ('running', 'skipped') GROUP BY c.key ORDER BY c.key
+        ON CONFLICT DO NOTHING;
+        PERFORM 1 FROM scheduler_jobs j
+          WHERE j.job_key IN (SELECT c.key FROM unnest(v_ticks) c
+                               WHERE c.fate IN ('running', 'skipped'))
+          ORDER BY j.job_key FOR UPDATE;
+        SELECT array_agg(x.key), array_agg(x.notice) INTO v_crash_keys, v_crash_notices
+          FROM scheduler_count_crashes(p_instance, v_stale_keys, v_stale_names, v_stale_counts,
+                                       v_stale_ticks, v_stale_thresholds) x;
     END IF;
     IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate IN ('running', 'skipped')) THEN
         SELECT array_agg(s.key), array_agg(s.tick), array_agg(s.streak), array_agg(s.alert),
@@ -404,17 +559,20 @@ BEGIN
                              v_streak_notices) AS s(key, tick, streak, alert, notice)
     ), stale AS (
         SELECT * FROM unnest(v_stale_keys, v_stale_counts) AS s(key, crashed)
+    ), crashes AS (
+        SELECT * FROM unnest(v_crash_keys, v_crash_notices) AS s(key, notice)
     )
     SELECT c.key, c.tick,
            CASE c.fate WHEN 'running' THEN 'run' ELSE c.fate END,
            c.run_id, c.started_at, c.holder, c.holder_since,
-           coalesce(sk.streak, ended.streak, 0), coalesce(sk.alert, false), sk.notice,
-           coalesce(st.crashed, 0), NULL::integer, NULL::integer, NULL::timestamptz,
-           NULL::timestamptz, NULL::integer
+           coalesce(sk.streak, ended.streak, 0), coalesce(sk.alert, false),
+           coalesce(sk.notice, cr.notice), coalesce(st.crashed, 0), NULL::integer,
+           NULL::integer, NULL::timestamptz, NULL::timestamptz, NULL::integer
       FROM unnest(v_ticks) c
       LEFT JOIN streaks sk ON sk.key = c.key AND sk.tick = c.tick
       LEFT JOIN streaks ended ON ended.key = c.key AND ended.tick IS NULL AND c.fate = 'running'
       LEFT JOIN stale st ON st.key = c.key AND c.fate = 'running'
+      LEFT JOIN crashes cr ON cr.key = c.key AND c.fate = 'running'
      WHERE (c.fate <> 'lost' OR c.intent IN ('manual', 'catch_up')) AND (c.fate <> 'paused' OR p_answer_paused)
     UNION ALL
     SELECT NULL, NULL, 'fleet', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
@@ -428,10 +586,12 @@ $$;
 -- lock held elsewhere leaves the tick waiting, which is no skip. SKIP LOCKED and the
 -- status check make each attempt one replica's. One attempt per job per call: advisory
 -- locks stack within a session, so a job's lock is never asked for twice. The last row
--- (job_key NULL) says in how many seconds the next retry of these jobs is due.
+-- (job_key NULL) says in how many seconds the next retry of these jobs is due. Stale runs
+-- a look marked crashed count as failures once every attempt is started (job rows come
+-- after tick rows), at p_fail_thresholds, the jobs' fail_alert_after (older callers: 3).
 CREATE FUNCTION scheduler_claim_retries(
     p_namespace integer, p_instance text, p_keys integer[], p_capacity integer,
-    p_crashed text
+    p_crashed text, p_fail_thresholds integer[] DEFAULT NULL
 ) RETURNS TABLE (
     job_key integer, scheduled_at timestamptz, run_id bigint, started_at timestamptz,
     attempt integer, crashed integer, next_in double precision
@@ -440,8 +600,14 @@ CREATE FUNCTION scheduler_claim_retries(
 DECLARE
     r record;
     v_taken integer[] := '{}';
+    v_crash record;
+    v_crash_keys integer[] := '{}';
+    v_crash_names text[] := '{}';
+    v_crash_counts integer[] := '{}';
+    v_crash_ticks timestamptz[] := '{}';
+    v_crash_thresholds integer[] := '{}';
 BEGIN
-    FOR r IN SELECT t.job_key, t.scheduled_at FROM scheduler_ticks t
+    FOR r IN SELECT t.job_key, t.scheduled_at, t.job_name FROM scheduler_ticks t
               WHERE t.retry_at <= now() AND t.status = 'failed' AND t.job_key = ANY (p_keys)
                 AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)
               ORDER BY t.scheduled_at, t.job_key
@@ -459,6 +625,12 @@ BEGIN
           FROM scheduler_ticks t
          WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
         ON CONFLICT DO NOTHING;
+        -- A pause committed while that insert waited on a row was acknowledged: honour it.
+        IF EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = r.job_key) THEN
+            PERFORM pg_advisory_unlock(p_namespace, r.job_key);
+            v_taken := array_remove(v_taken, r.job_key);
+            CONTINUE;
+        END IF;
         UPDATE scheduler_ticks t
            SET status = 'running', attempt = t.attempt + 1, instance = p_instance,
                run_id = nextval('scheduler_run_id'), started_at = clock_timestamp(),
@@ -468,12 +640,27 @@ BEGIN
         RETURNING t.job_key, t.scheduled_at, t.run_id, t.started_at, t.attempt
              INTO job_key, scheduled_at, run_id, started_at, attempt;
         -- With the lock in hand, any other `running` row of the job is stale (step 6).
-        SELECT coalesce(sum(s.crashed), 0)::integer INTO crashed
-          FROM scheduler_crash_stale(ARRAY[ROW(r.job_key, NULL, r.scheduled_at, 'retry', NULL,
-                   'running', NULL, NULL, NULL, NULL)::scheduler_tick], p_crashed) s;
+        SELECT s.key, s.crashed, s.newest, s.name, s.fail_threshold INTO v_crash
+          FROM scheduler_crash_stale(ARRAY[ROW(r.job_key, r.job_name, r.scheduled_at, 'retry',
+                   NULL, 'running', NULL, NULL, NULL, NULL, NULL,
+                   coalesce((SELECT f.threshold FROM unnest(p_keys, p_fail_thresholds)
+                                                    AS f(key, threshold)
+                              WHERE f.key = r.job_key), 3))::scheduler_tick], p_crashed) s;
+        crashed := coalesce(v_crash.crashed, 0);
+        IF crashed > 0 THEN
+            v_crash_keys := v_crash_keys || v_crash.key;
+            v_crash_names := v_crash_names || v_crash.name;
+            v_crash_counts := v_crash_counts || crashed;
+            v_crash_ticks := v_crash_ticks || v_crash.newest;
+            v_crash_thresholds := v_crash_thresholds || v_crash.fail_threshold;
+        END IF;
         next_in := NULL;
         RETURN NEXT;
     END LOOP;
+    IF cardinality(v_crash_keys) > 0 THEN
+        PERFORM scheduler_count_crashes(p_instance, v_crash_keys, v_crash_names,
+                                        v_crash_counts, v_crash_ticks, v_crash_thresholds);
+    END IF;
     job_key := NULL; scheduled_at := NULL; run_id := NULL; started_at := NULL;
     attempt := NULL; crashed := NULL;
     SELECT extract(epoch FROM min(t.retry_at) - now()) INTO next_in
@@ -564,13 +751,16 @@ BEGIN
     SELECT d.key, (SELECT r.job_name FROM scheduler_ticks r
                     WHERE r.job_key = d.key AND r.scheduled_at = d.tick), now()
       FROM unnest(p_done) d
-     WHERE d.recorded AND d.status = 'failed' AND NOT d.retrying
+     WHERE d.recorded AND d.status IN ('failed', 'crashed') AND NOT d.retrying
      ORDER BY d.key
     ON CONFLICT DO NOTHING;
     RETURN QUERY
     WITH d AS (
+        -- A run abandoned at shutdown (crashed) ends its tick as a failure does.
         SELECT d.key, d.tick, d.run_id, d.error, d.threshold, d.next_due, d.finished_at,
-               CASE WHEN d.retrying THEN 'retrying' ELSE d.status END AS status,
+               CASE WHEN d.retrying THEN 'retrying' WHEN d.status = 'crashed' THEN 'failed'
+                    ELSE d.status END AS status,
+               d.status = 'crashed' AS crashed,
                d.status IN ('succeeded', 'failed') AND NOT d.retrying
                    AND (d.next_due IS NULL OR d.finished_at <= d.next_due) AS kept_up
           FROM unnest(p_done) d
@@ -596,7 +786,8 @@ BEGIN
                overrun_skips = CASE WHEN d.kept_up THEN 0 ELSE l.overrun_skips END
           FROM locked l JOIN d ON d.key = l.job_key
          WHERE j.job_key = l.job_key
-        RETURNING j.job_key, d.tick, d.status, d.threshold, d.run_id, d.error, l.job_name,
+        RETURNING j.job_key, d.tick, d.status, d.crashed, d.threshold, d.run_id, d.error,
+                  l.job_name,
                   j.consecutive_failures AS failures,
                   l.consecutive_failures AS failures_before,
                   d.status = 'failed' AND NOT l.fail_alerted AND j.fail_alerted AS fail_alert,
@@ -613,7 +804,8 @@ BEGIN
           CROSS JOIN LATERAL (VALUES
               ('job.failures_exceeded', u.fail_alert, json_build_object(
                   'consecutive_failures', u.failures, 'threshold', u.threshold,
-                  'instance', p_instance, 'run_id', u.run_id, 'error', u.error)),
+                  'instance', p_instance, 'run_id', u.run_id, 'error', u.error,
+                  'crashed', CASE WHEN u.crashed THEN 1 ELSE 0 END)),
               ('job.failures_recovered', u.fail_recovered, json_build_object(
                   'consecutive_failures', u.failures_before, 'instance', p_instance,
                   'run_id', u.run_id)),

@@ -6,7 +6,7 @@
 SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
     CAST(:keys AS integer[]), CAST(:names AS text[]), CAST(:ticks AS timestamptz[]),
     CAST(:intents AS text[]), CAST(:graces AS double precision[]),
-    CAST(:thresholds AS integer[]), true)
+    CAST(:thresholds AS integer[]), true, CAST(:fail_thresholds AS integer[]))
 
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).
@@ -19,11 +19,17 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
 -- name: claim_retries
 -- Due retries of these jobs taken, lock first (scheduler_claim_retries).
 SELECT * FROM scheduler_claim_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,
-    :crashed)
+    :crashed, CAST(:fail_thresholds AS integer[]))
 
--- name: release
--- Locks a failed claim may have taken: advisory locks outlive a rollback.
-SELECT pg_advisory_unlock(:ns, k) FROM unnest(CAST(:keys AS integer[])) k
+-- name: release_strays
+-- This session's job locks with no run of this replica behind them, released (the lock
+-- invariant: scheduler_release_strays in postgres.sql).
+SELECT k AS key FROM scheduler_release_strays(:ns, CAST(:expected AS integer[])) k
+
+-- name: own_locks
+-- The job locks this session holds now.
+SELECT key FROM scheduler_locks(:ns)
+ WHERE pid = pg_backend_pid() AND NOT shared AND key BETWEEN 1 AND 2147483647
 
 -- name: heartbeat
 -- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py),

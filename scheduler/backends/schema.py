@@ -159,6 +159,10 @@ def _v2_lean_claims(conn: Connection) -> None:
     """v2 changed only the SQL functions (claims leave other replicas' ticks out)."""
 
 
+def _v7_stray_locks(conn: Connection) -> None:
+    """v7 changed only the SQL functions (scheduler_release_strays: the lock invariant)."""
+
+
 # Each step brings the tables from the version before to its own; the SQL functions
 # are then installed once, as they are today, whenever any step ran.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
@@ -168,6 +172,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (4, _v4_pauses),
     (5, _v5_drift),
     (6, _v6_retries_and_catch_up),
+    (7, _v7_stray_locks),
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 

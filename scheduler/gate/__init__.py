@@ -50,7 +50,14 @@ the names given here (PostgreSQL: `backends/postgres.sql`; one host:
    first, with the job's catch_up_window as their grace. Notices (alerts,
    recoveries) are written in the same transaction as the state change they
    announce (`scheduler.notices`).
-5. The lock session (`session.py`): the server ends it if this replica goes
+5. Locks follow runs: this session holds a job's lock only while a run of the
+   job is in flight here. Advisory locks outlive the rollback of the
+   transaction that took them, so when any call that may take locks fails
+   (a claim of any intent, a look for retries), every lock the session holds
+   with no run here is given back at once (`Gate._give_back`, the backends'
+   `release_strays`); each heartbeat checks the same invariant, and a stray
+   lock found there is released, reported and counted.
+6. The lock session (`session.py`): the server ends it if this replica goes
    quiet for `holder_timeout` (frozen, cut off), so its locks pass to others.
    A margin earlier, every local run's `ctx.lock_lost` is set, then the
    session is dropped and a new one opened with backoff. Only a broken
@@ -80,6 +87,7 @@ from typing import Protocol
 from scheduler import events
 from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
 from scheduler.catalog import CatalogJob
+from scheduler.errors import one_line
 from scheduler.gate.claims import Claims, Won, claim_request
 from scheduler.gate.finishes import Finishes
 from scheduler.gate.retries import RetryLook
@@ -93,6 +101,9 @@ from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
 from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
+
+RETRY_LOOK_AGAIN = 1.0  # seconds before a look for due retries that failed is made again
+REQUESTS_LOOK_EVERY = 1.0  # seconds between looks for run-now requests, without notifications
 
 
 Clock = Callable[[], datetime]
@@ -121,6 +132,7 @@ class Gate:
         clock: Clock = utc_now,
         monotonic: Monotonic = time.monotonic,
         desk: RequestDesk | None = None,
+        workers: Pool | None = None,
     ) -> None:
         self.backend = backend
         self.desk = desk  # run-now requests from the fleet's commands (None: none taken)
@@ -164,7 +176,7 @@ class Gate:
         self._stopping_runs = threading.Event()  # one per daemon: every run shares it
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
-        self._workers = Workers(max_workers)
+        self._workers = workers or Workers(max_workers)  # a simulation hands runs out itself
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -188,6 +200,13 @@ class Gate:
         with self.queue.burst():
             yield
         self._wake()
+
+    def reloaded(self, current: Callable[[int], CatalogJob | None]) -> None:
+        """A reload took effect: queued ticks of jobs no longer scheduled here are dropped,
+        the others follow the job's new settings. Returns between two steps of the
+        dispatcher, so from then on no path starts a disabled job on its own."""
+        with self._stepping:
+            self.queue.refresh(current)
 
     def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
         """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
@@ -263,6 +282,7 @@ class Gate:
         if abandoned:
             self.session.tell("still running when shutdown_grace ran out")
             for run in abandoned:
+                run.abandoned = True  # its lock goes with the process, not with its finish
                 self.finishes.ended(run, Status.CRASHED, CRASHED_AT_SHUTDOWN.format(grace=grace))
         self._flush_finishes(self.monotonic() + max(5.0, self.session.heartbeat_every))
         self._stopped.set()
@@ -325,6 +345,8 @@ class Gate:
         retry = self.retries.wait()
         if retry is not None and self._free_slots() > 0:
             wait = min(wait, retry)
+        if self.desk is not None and self.backend.fileno() is None:
+            wait = min(wait, REQUESTS_LOOK_EVERY)  # no server notifies this backend of them
         return wait
 
     def step(self) -> None:
@@ -343,12 +365,56 @@ class Gate:
             return
         self._guard(self._record_finishes)
         self._guard(self._take_requests)
-        self._guard(self._claim_manual)
-        self._guard(lambda: self.claims.queued(self._free_slots(), self._running))
-        self._guard(self._claim_retries)
+        # Scheduled ticks first: a run-now taken in the same step never takes a due
+        # tick's place (its lock would make the tick `skipped`).
+        self._guard(
+            lambda: self._locking(
+                lambda: self.claims.queued(self._free_slots(), self._running), "claim"
+            )
+        )
+        self._guard(lambda: self._locking(self._claim_manual, "run-now or catch-up claim"))
+        self._guard(lambda: self._locking(self._claim_retries, "look for due retries"))
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
             self.retries.due_in(self.backend.retry_due_in())
+            if not self._stopping_runs.is_set():  # runs abandoned at shutdown keep theirs
+                self._guard(lambda: self._give_back(after=None))
+
+    def _locking(self, action: Callable[[], bool], what: str) -> None:
+        """A step whose calls may take locks: if one failed, what it left is given back."""
+        if action():
+            self._give_back(after=what)
+
+    def _expected_locks(self) -> set[int]:
+        """The jobs whose lock this session should hold: those it runs (the lock invariant)."""
+        opened = self.session.opened
+        with self._mutex:
+            return {key for key, run in self._runs.items() if run.session == opened}
+
+    def _give_back(self, after: str | None) -> None:
+        """Release every lock this session holds with no run of its job here.
+
+        After a failed call (`after` names it), that is what the call left behind:
+        advisory locks outlive the rollback of the transaction that took them. At
+        the heartbeat (`after` None) it is the lock invariant's check, and whatever
+        it finds is a fault, reported and counted. No claim is in flight meanwhile:
+        the dispatcher alone talks to the backend. A session that cannot do this
+        is given up, which releases every lock.
+        """
+        expected = self._expected_locks()
+        try:
+            released = self.session.round_trip(lambda: self.backend.release_strays(expected))
+        except SessionLost:
+            raise
+        except Exception as exc:
+            raise SessionLost(f"cannot give back stray locks ({one_line(exc)})") from None
+        assert isinstance(released, list)
+        if released:
+            desk = self.desk
+            named = tuple(
+                (key, job.name if (job := desk and desk.job(key)) else None) for key in released
+            )
+            self._emit(events.LocksReleased(self.instance, named, after))
 
     def _server_said_something(self) -> bool:
         """Between our calls the server only speaks to end the session (or to notify)."""
@@ -413,32 +479,55 @@ class Gate:
         with self._mutex:
             self._manual.append((job, tick, result, intent))
 
-    def _claim_manual(self) -> None:
+    def _claim_manual(self) -> bool:
+        """Claim the manual and caught-up ticks; returns whether a claim failed."""
         with self._mutex:
             manual, self._manual = self._manual, []
-        for job, tick, result, intent in manual:
+        failed = False
+        for i, (job, tick, result, intent) in enumerate(manual):
             if self._stopping_runs.is_set():  # shutting down: nothing new starts here
                 result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
+                continue
+            if intent is Intent.CATCH_UP and not self._still_enabled(job):
+                result.set_result(ManualResult(Outcome.LOST, error="disabled by a reload"))
                 continue
             if job.key in self._runs:
                 result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
                 continue
             try:
-                self.claims.manual(job, tick, result, intent)
+                failed = self.claims.manual(job, tick, result, intent) or failed
             except SessionLost:
-                with self._mutex:
-                    self._manual.append((job, tick, result, intent))
+                with self._mutex:  # this one and every one after it wait for the next session
+                    self._manual[:0] = manual[i:]
                 raise
+        return failed
 
-    def _claim_retries(self) -> None:
-        """Start due retries of jobs this replica has and is not running (retries.py)."""
+    def _still_enabled(self, job: CatalogJob) -> bool:
+        """Whether the catalog in force now (after any reload) has the job enabled."""
+        current = self.desk.job(job.key) if self.desk is not None else job
+        return current is not None and current.enabled
+
+    def _claim_retries(self) -> bool:
+        """Start due retries of jobs this replica has and is not running (retries.py).
+
+        Returns whether the look failed or took a lock no run here holds.
+        """
         desk = self.desk
         if desk is None or self._stopping_runs.is_set():
-            return
-        known = desk.keys()
+            return False
+        known = desk.enabled_keys()
         with self._mutex:
             keys = [key for key in known if key not in self._runs]
-        self._start_runs(self.retries.take(desk, keys, self._free_slots()), None)
+        try:
+            won, gone = self.retries.take(desk, keys, self._free_slots())
+        except SessionLost:
+            raise
+        except Exception as exc:
+            log.warning("looking for due retries failed (%s); looking again shortly", one_line(exc))
+            self.retries.due_in(RETRY_LOOK_AGAIN)
+            return True
+        self._start_runs(won, None)
+        return bool(gone)
 
     # -- runs ------------------------------------------------------------------------
 
@@ -463,13 +552,14 @@ class Gate:
         """
         if not won:
             return
-        generation, now = self.session.generation, self.monotonic()
+        generation, opened, now = self.session.generation, self.session.opened, self.monotonic()
         ready = [
             prepare(
                 job,
                 result,
                 instance=self.instance,
                 generation=generation,
+                session=opened,
                 stopping=self._stopping_runs,
                 started=now,
                 clock=self.clock,
@@ -529,11 +619,23 @@ class Gate:
                 pass
 
 
+class Pool(Protocol):
+    """Where runs execute (scheduler.workers.Workers; a test may run them when it chooses)."""
+
+    def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
 class RequestDesk(Protocol):
     """Run-now requests (scheduler.run_now.Desk): the jobs this replica may take, and
     where an outcome goes (written on the ledger session, from the thread that ends it)."""
 
     def keys(self) -> list[int]: ...
+
+    def enabled_keys(self) -> list[int]: ...
 
     def job(self, key: int) -> CatalogJob | None: ...
 

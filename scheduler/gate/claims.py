@@ -3,9 +3,10 @@
 What comes back is acted on at once: runs start (before any bookkeeping,
 their lateness is what counts), ticks deferred for lack of workers or left
 to another replica's share go back to the queue, skipped, missed and paused
-ticks are reported. A claim that fails for another reason than a lost session may
-leave locks it took (advisory locks outlive a rollback): they are released
-before the ticks go back to the queue.
+ticks are reported. A claim that fails for another reason than a lost session
+is logged and its ticks go back to the queue; it may have left locks it took
+(advisory locks outlive a rollback), so each entry point says whether a claim
+failed, and the gate gives back what no run of it holds (`Gate._give_back`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from scheduler.backends.base import (
     SessionLost,
 )
 from scheduler.catalog import CatalogJob
+from scheduler.errors import one_line
 from scheduler.gate.runs import ManualResult
 from scheduler.gate.session import LockSession
 from scheduler.gate.ticks import Batch, Running, TickQueue
@@ -46,6 +48,7 @@ def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimReque
         intent=intent,
         grace_s=grace.total_seconds(),
         skip_threshold=job.skip_threshold,
+        fail_threshold=job.fail_threshold,
     )
 
 
@@ -67,10 +70,15 @@ class Claims:
         self.emit = emit
         self.start = start  # hands won runs to the workers
 
-    def queued(self, free: int, running: Callable[[int], Running]) -> None:
-        """Claim the queued ticks: the healthy ones in one round trip, failed ones apart."""
+    def queued(self, free: int, running: Callable[[int], Running]) -> bool:
+        """Claim the queued ticks: the healthy ones in one round trip, failed ones apart.
+
+        Returns whether a claim failed (it may have left locks behind).
+        """
+        failed = False
         for batch in self.queue.take(free, running):
-            self._batch(batch, free)
+            failed = self._batch(batch, free) or failed
+        return failed
 
     def manual(
         self,
@@ -78,22 +86,34 @@ class Claims:
         tick: datetime,
         result: Future[ManualResult],
         intent: Intent = Intent.MANUAL,
-    ) -> None:
-        """`scheduler trigger` (its own tick, "now"), or a caught-up tick: lock first."""
+    ) -> bool:
+        """`scheduler trigger` (its own tick, "now"), or a caught-up tick: lock first.
+
+        Returns whether the claim failed (the outcome is then `error`: nothing was
+        decided, and the caller may ask again).
+        """
         try:
             (claimed,) = self._claim([claim_request(job, tick, intent)], capacity=1)
         except SessionLost:
             raise
         except Exception as exc:
-            result.set_result(ManualResult(Outcome.LOST, error=str(exc)))
-            return
+            log.warning(
+                "claiming %s tick %s (%s) failed (%s)",
+                job.name,
+                tick.isoformat(),
+                intent,
+                one_line(exc),
+            )
+            result.set_result(ManualResult(Outcome.ERROR, error=one_line(exc)))
+            return True
         if claimed.outcome is Outcome.RUN:
             self.start([(job, claimed)], result, intent is Intent.CATCH_UP)
         else:
             result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
             self._report(job, claimed)
+        return False
 
-    def _batch(self, batch: Batch, capacity: int) -> None:
+    def _batch(self, batch: Batch, capacity: int) -> bool:
         requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
         try:
             results = self._claim(requests, capacity)
@@ -101,9 +121,12 @@ class Claims:
             self.queue.put_back(batch.entries)
             raise
         except Exception as exc:
-            log.warning("claiming %d tick(s) failed (%s); trying again shortly", len(requests), exc)
+            failure = one_line(exc)
+            log.warning(
+                "claiming %d tick(s) failed (%s); trying again shortly", len(requests), failure
+            )
             self.queue.put_back(batch.entries, failed=True)
-            return
+            return True
         jobs = {job.key: job for job, _, _ in batch.requests}
         self.start([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], None, False)
         deferred, yielded = [], []
@@ -117,24 +140,12 @@ class Claims:
                 self._report(job, result)
         self.queue.requeue(deferred)
         self.queue.requeue(yielded, delay=YIELDED_RETRY)
+        return False
 
     def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
-        try:
-            results = self.session.round_trip(
-                lambda: self.backend.claim(requests, self.instance, capacity)
-            )
-        except SessionLost:
-            raise
-        except Exception:
-            keys = [r.key for r in requests if r.intent in (Intent.RUN, Intent.MANUAL)]
-            if keys:
-                try:
-                    self.session.round_trip(lambda: self.backend.release(keys))
-                except SessionLost:
-                    raise
-                except Exception as exc:
-                    raise SessionLost(f"cannot release locks after a failed claim: {exc}") from exc
-            raise
+        results = self.session.round_trip(
+            lambda: self.backend.claim(requests, self.instance, capacity)
+        )
         assert isinstance(results, list)
         return results
 

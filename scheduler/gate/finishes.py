@@ -136,7 +136,7 @@ class Finishes:
             run_id=run.ctx.run_id,
             status=ending.status,
             error=None if ending.error is None else error,
-            unlock=run.generation is self.session.generation,
+            unlock=self.session.holds_lock_of(run),
             fail_threshold=job.fail_threshold,
             told=ending.told,
             duration_s=round(ending.duration_s, 6),

@@ -64,17 +64,27 @@ class RetryLook:
 
     def take(
         self, jobs: Jobs, keys: Sequence[int], free: int
-    ) -> list[tuple[CatalogJob, ClaimResult]]:
+    ) -> tuple[list[tuple[CatalogJob, ClaimResult]], list[int]]:
         """Start the due retries of `keys` (jobs here, not running here), at most `free`.
 
-        Raises SessionLost; any other error leaves them to the next heartbeat.
+        Returns the runs to start, and the keys of retries started for jobs
+        reloaded away meanwhile (their locks are held by no run: the gate gives
+        them back; their rows are left to the sweep). Raises SessionLost, and any
+        other error of the look (which may have left locks behind, given back the
+        same way).
         """
         with self._mutex:
-            if self._at is None or self._at > self.monotonic() or free <= 0 or not keys:
-                return []
+            if self._at is None or self._at > self.monotonic() or free <= 0:
+                return [], []
+            if not keys:  # every job with a retry runs here: look again once one may end
+                self._at = self.monotonic() + HELD_AGAIN
+                return [], []
             self._at = None
+        thresholds = [job.fail_threshold if (job := jobs.job(key)) else 3 for key in keys]
         found = self.session.round_trip(
-            lambda: self.backend.claim_retries(self.instance, keys, free, CRASHED_LOST_LOCK)
+            lambda: self.backend.claim_retries(
+                self.instance, keys, free, CRASHED_LOST_LOCK, thresholds
+            )
         )
         assert isinstance(found, Retries)
         if found.next_in is not None:
@@ -82,14 +92,12 @@ class RetryLook:
         won, gone = [], []
         for result in found.started:
             job = jobs.job(result.key)
-            if job is None:  # reloaded away since the look began: its row is left to the sweep
+            if job is None:
                 gone.append(result.key)
                 continue
             self._say(job, result)
             won.append((job, result))
-        if gone:
-            self.session.round_trip(lambda: self.backend.release(gone))
-        return won
+        return won, gone
 
     def _say(self, job: CatalogJob, result: ClaimResult) -> None:
         late = ""

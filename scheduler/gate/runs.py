@@ -62,10 +62,12 @@ class Run:
     job: CatalogJob
     ctx: RunContext
     generation: Generation  # of the session that took the lock; the lock is gone with it
+    session: int  # which lock session took its lock (LockSession.opened): only it holds it
     started: float  # monotonic
     manual: Future[ManualResult] | None = None  # who waits for its outcome (trigger, catch-up)
     ended: Ending | None = None  # set when the job has returned (or was given up)
     caught_up: bool = False  # a tick missed while the fleet was down (`catch_up: all`)
+    abandoned: bool = False  # still running when shutdown_grace ran out: its lock stays
 
     @property
     def asked(self) -> bool:
@@ -79,6 +81,7 @@ def prepare(
     *,
     instance: str,
     generation: Generation,
+    session: int,
     stopping: threading.Event,
     started: float,
     clock: Callable[[], datetime],
@@ -124,6 +127,7 @@ def prepare(
         job=job,
         ctx=ctx,
         generation=generation,
+        session=session,
         started=started,
         manual=manual,
         caught_up=caught_up,

@@ -22,12 +22,18 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from scheduler.backends.base import LockStore, SessionLost, Unavailable
 
 log = logging.getLogger("scheduler.gate")
 
 Monotonic = Callable[[], float]
+
+
+class _Run(Protocol):
+    session: int
+    abandoned: bool
 
 
 class Backoff:
@@ -104,6 +110,16 @@ class LockSession:
         told.lock_lost.set()
         self.on_told(told.number, reason, first)
         return told
+
+    def holds_lock_of(self, run: _Run) -> bool:
+        """Whether the session up now took `run`'s lock, so that its finish gives it back.
+
+        A run of an earlier session lost its lock with that session; a lock taken
+        again since belongs to a newer run. A run abandoned at shutdown keeps its
+        lock until the process ends. A run told its lock was in doubt while this
+        session survived still has it here, and gives it back.
+        """
+        return self.connected and run.session == self.opened and not run.abandoned
 
     # -- the connection ------------------------------------------------------------------
 

@@ -98,6 +98,16 @@ class TickQueue:
             self._accepting = False
             self._pending.clear()
 
+    def refresh(self, current: Callable[[int], CatalogJob | None]) -> None:
+        """After a reload: drop the ticks of jobs no longer scheduled, update the rest."""
+        with self._mutex:
+            for key, entry in list(self._pending.items()):
+                job = current(key)
+                if job is None or not job.scheduled:
+                    del self._pending[key]
+                else:
+                    entry.job = job
+
     def next_due(self, capacity: int) -> float | None:
         """When the earliest entry may be claimed (None: nothing to do until a tick comes)."""
         with self._mutex:

@@ -404,3 +404,18 @@ def test_failure_alerts_follow_the_threshold_in_force(replicas):
     assert (lowered.consecutive_failures, lowered.alert) == (5, True)
     again = finish(a, claim(a, base + timedelta(seconds=5)), status="failed", threshold=6)
     assert not again.alert
+
+
+def test_a_tick_skipped_behind_a_run_asked_for_by_hand_counts_in_no_streak(replicas):
+    """Recorded skipped (the job was running), but the job did not overrun its schedule."""
+    a, b = replicas("a"), replicas("b")
+    manual = claim(a, tick(), intent=Intent.MANUAL)
+    assert manual.outcome is Outcome.RUN
+    skipped = [claim(b, tick(-n), threshold=2) for n in (1, 2, 3)]
+    assert [s.outcome for s in skipped] == [Outcome.SKIPPED] * 3
+    assert [s.holder for s in skipped] == ["a"] * 3
+    assert not any(s.alert for s in skipped)
+    with a.ledger_engine.connect() as conn:
+        from scheduler import ledger
+
+        assert int(ledger.job_states(conn).get(KEY, {}).get("consecutive_skips") or 0) == 0

@@ -153,3 +153,113 @@ def test_a_replica_of_a_version_before_pauses_reads_a_paused_tick_as_claimed_els
         assert rows(new)[t]["status"] == "paused"
     finally:
         new.ledger_engine.dispose()
+
+
+def test_a_pause_committed_while_a_claim_waits_on_a_row_is_honoured(database_url):
+    """The claim read "not paused", then waited on a row another session inserted; the
+    pause committed meanwhile was acknowledged, so the tick is recorded paused, not run."""
+    import threading
+    import time
+
+    import psycopg
+
+    from scheduler.backends.postgres import PostgresBackend
+
+    backend = PostgresBackend(database_url, instance="a", namespace=4747, holder_timeout=30)
+    backend.migrate()
+    backend.connect()
+    t = tick()
+    try:
+        with psycopg.connect(database_url) as outsider:  # its row holds the claim's insert
+            outsider.execute(
+                "INSERT INTO scheduler_ticks (job_key, scheduled_at, job_name, status)"
+                " VALUES (%s, %s, 'job', 'missed')",
+                (KEY, t),
+            )
+            answers: list = []
+            claiming = threading.Thread(target=lambda: answers.append(claim(backend, t)))
+            claiming.start()
+            time.sleep(0.5)  # the claim now waits on the outsider's row
+            pause(backend)  # committed and acknowledged while it waits
+            outsider.rollback()
+            claiming.join(10)
+        (result,) = answers
+        assert result.outcome is Outcome.PAUSED and result.run_id is None
+        row = rows(backend)[t]
+        assert (row["status"], row["run_id"], row["started_at"]) == ("paused", None, None)
+        assert backend.held_keys() == set()
+    finally:
+        backend.close()
+        backend.ledger_engine.dispose()
+
+
+def test_a_claim_that_waited_stamps_its_start_after_the_wait(database_url):
+    import threading
+    import time
+
+    import psycopg
+
+    from scheduler.backends.postgres import PostgresBackend
+
+    backend = PostgresBackend(database_url, instance="a", namespace=4747, holder_timeout=30)
+    backend.migrate()
+    backend.connect()
+    t = tick()
+    try:
+        with psycopg.connect(database_url) as outsider:
+            outsider.execute(
+                "INSERT INTO scheduler_ticks (job_key, scheduled_at, job_name, status)"
+                " VALUES (%s, %s, 'job', 'missed')",
+                (KEY, t),
+            )
+            answers: list = []
+            claiming = threading.Thread(target=lambda: answers.append(claim(backend, t)))
+            claiming.start()
+            time.sleep(0.5)
+            let_go = datetime.now(UTC)
+            outsider.rollback()
+            claiming.join(10)
+        (result,) = answers
+        assert result.outcome is Outcome.RUN
+        assert result.started_at >= let_go - timedelta(milliseconds=50)
+        assert rows(backend)[t]["started_at"] == result.started_at
+    finally:
+        backend.close()
+        backend.ledger_engine.dispose()
+
+
+def test_a_pause_committed_while_a_retry_look_waits_on_a_row_is_honoured(database_url):
+    import threading
+    import time
+
+    import psycopg
+
+    from scheduler.backends.postgres import PostgresBackend
+    from tests.integration.test_retries_and_catch_up import fail_attempt, retries
+
+    backend = PostgresBackend(database_url, instance="a", namespace=4747, holder_timeout=30)
+    backend.migrate()
+    backend.connect()
+    t = tick()
+    try:
+        fail_attempt(backend, claim(backend, t), retry_in=0)
+        with psycopg.connect(database_url) as outsider:  # holds the attempt's copy
+            outsider.execute(
+                "INSERT INTO scheduler_attempts (job_key, scheduled_at, attempt, status)"
+                " VALUES (%s, %s, 1, 'failed')",
+                (KEY, t),
+            )
+            answers: list = []
+            looking = threading.Thread(target=lambda: answers.append(retries(backend)))
+            looking.start()
+            time.sleep(0.5)
+            pause(backend)
+            outsider.rollback()
+            looking.join(10)
+        (found,) = answers
+        assert found.started == []
+        assert rows(backend)[t]["status"] == "failed"
+        assert backend.held_keys() == set()
+    finally:
+        backend.close()
+        backend.ledger_engine.dispose()

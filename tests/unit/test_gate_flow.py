@@ -314,3 +314,51 @@ def test_a_run_now_request_is_taken_run_here_and_its_outcome_written_back(tmp_pa
         assert state(other)["taken_by"] is None  # not a job of this replica: left to others
     finally:
         backend.close()
+
+
+def test_a_run_now_taken_with_a_due_tick_never_takes_its_place(tmp_path):
+    """Both in one step: the scheduled tick runs; the request finds the job running."""
+    from datetime import UTC, datetime
+
+    from scheduler import run_now
+    from scheduler.catalog import Catalog
+
+    release = threading.Event()
+    job = make_job(97, lambda ctx: release.wait(10), name="both")
+    backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="u1", namespace=77)
+    backend.migrate()
+    desk = run_now.Desk(backend.ledger_engine, lambda: Catalog((job,)), lambda: datetime.now(UTC))
+    seen = Recorder()
+    gate = Gate(
+        backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen], desk=desk
+    )
+    try:
+        with backend.ledger_engine.begin() as conn:
+            run_now.ask(conn, 97, "both", by="ops", now=datetime.now(UTC), namespace=77)
+        tick = now_tick()
+        gate.submit(job, tick)
+        settle(gate, lambda: seen.of(events.RunStarted), "a run")
+        (started,) = seen.of(events.RunStarted)
+        assert started.scheduled_at == tick and not started.manual
+        assert not seen.of(events.TickSkipped)
+    finally:
+        release.set()
+        backend.close()
+
+
+def test_without_notifications_the_gate_looks_for_run_now_requests_every_second(tmp_path):
+    from datetime import UTC, datetime
+
+    from scheduler import run_now
+    from scheduler.catalog import Catalog
+
+    job = make_job(96, lambda: None, name="idle")
+    backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="u1", namespace=77)
+    backend.migrate()
+    desk = run_now.Desk(backend.ledger_engine, lambda: Catalog((job,)), lambda: datetime.now(UTC))
+    gate = Gate(backend, instance="u1", max_workers=2, holder_timeout=30, desk=desk)
+    try:
+        gate.step()
+        assert gate._wait_time() <= 1.0  # not the heartbeat's 10 s
+    finally:
+        backend.close()

@@ -117,6 +117,9 @@ class JobsHere:
     def keys(self) -> list[int]:
         return list(self.jobs)
 
+    def enabled_keys(self) -> list[int]:
+        return [key for key, job in self.jobs.items() if job.enabled]
+
     def job(self, key: int) -> CatalogJob | None:
         return self.jobs.get(key)
 
