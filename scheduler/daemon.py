@@ -174,7 +174,7 @@ class Daemon:
         self.backend = backend or open_backend(self.settings)
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
-        self.reloads = PendingReload()
+        self.reloads = PendingReload(monotonic)
         self.signals = 0
         # Metrics exist to be scraped: without an HTTP port, none are kept.
         self.metrics = None
@@ -326,7 +326,8 @@ class Daemon:
         gc.freeze()
         # A signal the kernel hands to another thread only trips a flag; Python runs
         # the handler when the main thread next wakes, so it wakes every second.
-        watch = FileWatch(self.config.path) if self.settings.reload == "watch" else None
+        watching = self.settings.reload == "watch"
+        watch = FileWatch(self.config.path, self.monotonic) if watching else None
         while not self.stop_requested.wait(1.0):
             self._reload_if_asked(watch)
         return self.shutdown()
