@@ -19,6 +19,7 @@ from typing import Any, cast
 from urllib.parse import quote, unquote
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from scheduler import run_now
 from scheduler.backends import Backend
@@ -48,27 +49,27 @@ def read_only(engine: Engine) -> Engine:
     """The same engine and pool, with every transaction refused writes by the database."""
     guarded = engine.execution_options()  # its own listeners; the original's still apply
     event.listen(guarded, "begin", _refuse_writes)
-    event.listen(guarded, "commit", _allow_writes)
-    event.listen(guarded, "rollback", _allow_writes)
+    if engine.dialect.name == "sqlite":
+        # The authorizer is the connection's: it is taken off when the connection goes back
+        # to the pool, whatever ended the transaction (even a BEGIN that failed).
+        event.listen(guarded, "checkin", _allow_writes)
     return guarded
+
+
+_READING = "scheduler_reading"  # in a pooled connection's info: it has the authorizer on
 
 
 def _refuse_writes(conn: Connection) -> None:
     if conn.dialect.name == "postgresql":
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-    else:
-        _driver(conn).set_authorizer(_reads_only)
+        return
+    conn.connection.info[_READING] = True
+    cast(sqlite3.Connection, conn.connection.driver_connection).set_authorizer(_reads_only)
 
 
-def _allow_writes(conn: Connection) -> None:
-    """The pooled connection goes back to writers as it came (SQLite's authorizer is the
-    connection's, not the transaction's)."""
-    if conn.dialect.name == "sqlite":
-        _driver(conn).set_authorizer(None)
-
-
-def _driver(conn: Connection) -> sqlite3.Connection:
-    return cast(sqlite3.Connection, conn.connection.driver_connection)
+def _allow_writes(driver: Any, record: ConnectionPoolEntry) -> None:
+    if record.info.pop(_READING, False) and driver is not None:
+        driver.set_authorizer(None)
 
 
 def _reads_only(action: int, *_: object) -> int:

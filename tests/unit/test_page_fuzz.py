@@ -201,3 +201,24 @@ def test_a_reading_connection_is_refused_writes_and_leaves_the_pool_writable(pro
     add_ticks(page, [later])
     with reader.ledger_engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM scheduler_ticks")).scalar() == 2
+
+
+def test_a_reading_connection_that_failed_to_begin_goes_back_to_writers_writable(project):
+    from sqlalchemy import event
+
+    page = project()
+    engine = page.backend.ledger_engine
+    reader = ReadingBackend(page.backend)
+
+    def busy(conn):  # the writer's BEGIN IMMEDIATE gave up ("database is locked")
+        raise RuntimeError("database is locked")
+
+    event.listen(engine, "begin", busy)
+    try:
+        with pytest.raises(RuntimeError), reader.ledger_engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    finally:
+        event.remove(engine, "begin", busy)
+    values = {"job_key": 2001, "job_name": "sync", "scheduled_at": NOW, "status": "missed"}
+    with engine.begin() as conn:  # the same pooled connection, a writer's again
+        conn.execute(insert(ledger.ticks).values(**values))
