@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, tzinfo
 from typing import Any
 
-from scheduler import __version__
+from scheduler import __version__, parsing
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.config import Config, load_config
@@ -28,6 +28,7 @@ from scheduler.text import printable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD = 0, 1, 2, 3
 MAX_PREVIEW = 1000  # ticks `jobs --next` lists per job, at most
+MAX_HISTORY = 1_000_000  # ticks `history --limit` lists, at most
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("job", nargs="?", help="only this job")
     history.add_argument(
         "--limit",
-        type=_positive,
+        metavar="N",
         help="how many ticks, newest first (default 50; with --since or --until, all)",
     )
     history.add_argument(
@@ -102,16 +103,6 @@ def _parser() -> argparse.ArgumentParser:
     resume.add_argument("job")
     resume.add_argument("--by", help="who resumes it (default: user@host)")
     return parser
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,9 +229,9 @@ def _jobs(
     as_json: bool,
 ) -> int:
     """Every job (or one) and its next tick; with `--next N`, its next N ticks."""
-    n = _preview_count(count) if count is not None else None
+    n = parsing.whole(count, "--next", 1, MAX_PREVIEW) if count is not None else None
     where = zone(config.settings.timezone)
-    now = _instant("--after", after, where) if after is not None else datetime.now(UTC)
+    now = parsing.instant(after, "--after", where) if after is not None else datetime.now(UTC)
     jobs = list(catalog) if name is None else [_named(catalog, name)]
     if n is None:
         rows = [{**job.as_json(now), "source": job.spec.source} for job in jobs]
@@ -266,33 +257,6 @@ def _jobs(
         if not ticks:
             print("  no ticks: " + ("runs only by hand" if job.schedule is None else "disabled"))
     return EXIT_OK
-
-
-def _preview_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_PREVIEW:
-        raise ConfigError(f"--next: expected a whole number from 1 to {MAX_PREVIEW}, got {text!r}")
-    return value
-
-
-ISO_EXAMPLE = "an ISO-8601 date and time such as 2026-10-25T01:30:00+01:00"
-
-
-def _instant(flag: str, text: str, tz: tzinfo, expected: str = ISO_EXAMPLE) -> datetime:
-    """ISO-8601; without an offset, a wall-clock time in `tz`. Else one line naming `flag`."""
-    try:
-        value = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ConfigError(f"{flag}: expected {expected}, got {shorten(text)!r}") from None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=tz)
-    try:
-        return value.astimezone(UTC)
-    except OverflowError:
-        raise ConfigError(f"{flag}: {shorten(text)!r} is out of range (years 1 to 9999)") from None
 
 
 def _named(catalog: Catalog, name: str) -> CatalogJob:
@@ -370,39 +334,21 @@ def _history_filter(args: argparse.Namespace, catalog: Catalog) -> TickFilter:
     """What `history` was asked for; a bad value is one clear line (exit 2)."""
     now = datetime.now(UTC)
     zone_shown = _zone_flag(args.tz)
-    since = _since(args.since, now, zone_shown) if args.since else None
-    until = _instant("--until", args.until, zone_shown) if args.until else None
+    since = parsing.since(args.since, "--since", now, zone_shown) if args.since else None
+    until = parsing.instant(args.until, "--until", zone_shown) if args.until else None
     statuses: tuple[str, ...] = ()
     if args.status:
-        statuses = tuple(s.strip().lower() for s in args.status.split(",") if s.strip())
-        unknown = [s for s in statuses if s not in {str(v) for v in Status}]
-        if unknown or not statuses:
-            known = ", ".join(str(v) for v in Status)
-            raise ConfigError(f"--status: {shorten(args.status)!r}: expected some of {known}")
-    limit = args.limit
+        statuses = parsing.some_of(args.status, "--status", [str(v) for v in Status])
+    instance = None if args.instance is None else parsing.instance_name(args.instance, "--instance")
+    limit = None if args.limit is None else parsing.whole(args.limit, "--limit", 1, MAX_HISTORY)
     if limit is None and since is None and until is None:
         limit = 50
     key = None if args.job is None else _named(catalog, args.job).key
-    return TickFilter(key, since, until, statuses, args.instance, limit)
-
-
-def _since(text: str, now: datetime, tz: tzinfo) -> datetime:
-    """An age (12h, 30m, 2d, 90s) before now, or an instant."""
-    from scheduler.schedules import parse_duration
-
-    if text.strip()[:1].isdigit() and text.strip()[-1:].isalpha():
-        try:
-            return now - parse_duration(text.strip())
-        except (ValueError, OverflowError):
-            pass
-    return _instant("--since", text, tz, "an age such as 12h or 30m, or " + ISO_EXAMPLE)
+    return TickFilter(key, since, until, statuses, instance, limit)
 
 
 def _zone_flag(name: str) -> tzinfo:
-    try:
-        return zone(name)
-    except ValueError as exc:
-        raise ConfigError(f"--tz: {shorten(name)!r}: {exc}") from None
+    return parsing.time_zone(name, "--tz")
 
 
 def _history(

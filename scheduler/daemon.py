@@ -36,7 +36,7 @@ from scheduler.housekeeping import Housekeeping, NameInUse
 from scheduler.logs import stop_logging
 from scheduler.notices import Notices
 from scheduler.pings import Pings
-from scheduler.reload import FileWatch, reread
+from scheduler.reload import FileWatch, PendingReload, Unsettled, reread
 from scheduler.run_now import Desk
 from scheduler.runlog import RunLog
 
@@ -174,6 +174,7 @@ class Daemon:
         self.backend = backend or open_backend(self.settings)
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
+        self.reloads = PendingReload(monotonic)
         self.signals = 0
         # Metrics exist to be scraped: without an HTTP port, none are kept.
         self.metrics = None
@@ -325,13 +326,21 @@ class Daemon:
         gc.freeze()
         # A signal the kernel hands to another thread only trips a flag; Python runs
         # the handler when the main thread next wakes, so it wakes every second.
-        watch = FileWatch(self.config.path) if self.settings.reload == "watch" else None
+        watching = self.settings.reload == "watch"
+        watch = FileWatch(self.config.path, self.monotonic) if watching else None
         while not self.stop_requested.wait(1.0):
-            changed = watch is not None and watch.changed()
-            if self.reload_requested.is_set() or changed:
-                self.reload_requested.clear()
-                self.reload("SIGHUP" if not changed else "config.yaml changed")
+            self._reload_if_asked(watch)
         return self.shutdown()
+
+    def _reload_if_asked(self, watch: FileWatch | None) -> None:
+        """A reload asked for (SIGHUP, the watched file) or still pending is tried now."""
+        changed = watch is not None and watch.changed()
+        if self.reload_requested.is_set() or changed:
+            self.reload_requested.clear()
+            self.reloads.ask("SIGHUP" if not changed else "config.yaml changed")
+        why = self.reloads.due()
+        if why is not None:
+            self.reload(why)
 
     def reload(self, why: str) -> bool:
         """Re-read config.yaml and apply it between ticks; an invalid file changes nothing."""
@@ -340,15 +349,19 @@ class Daemon:
             reloaded = reread(self.config, self.catalog)
             self.housekeeping.reregister(reloaded.catalog)
         except ConfigError as exc:
+            self.reloads.settled()
             log.error(
                 "%s: config.yaml not reloaded: %s; the replica keeps its configuration", why, exc
             )
             return False
-        except SQLAlchemyError as exc:
-            log.error(
-                "%s: config.yaml not reloaded: the ledger: %s; try again", why, self._say(exc)
-            )
+        except (SQLAlchemyError, Unsettled) as exc:
+            said = f"the ledger: {self._say(exc)}" if isinstance(exc, SQLAlchemyError) else exc
+            if self.reloads.failed(why, str(said)):
+                log.error(
+                    "%s: config.yaml not reloaded: %s; trying again until it applies", why, said
+                )
             return False
+        self.reloads.settled()
         changes = reloaded.changes(self.catalog)
         reschedule(self.scheduler, reloaded.catalog, since)
         self.config, self.catalog = reloaded.config, reloaded.catalog

@@ -59,6 +59,7 @@ class Request:
     query: str
     headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
     body: bytes = b""
+    client: str = ""  # the peer's address
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,7 @@ def _handler(
                 return
             headers = {name.lower(): value for name, value in self.headers.items()}
             try:
-                reply = route(Request(method, path, query, headers, body))
+                reply = route(Request(method, path, query, headers, body, self.client_address[0]))
             except Exception:
                 log.exception("%s %s failed", method, path)
                 reply = Reply(500, b"internal error\n")

@@ -372,6 +372,7 @@ class Proxy:
         self.replied = 0  # bytes forwarded from the server to its clients
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
         self.closed = False
+        self.refusing = False  # down(): every connection is closed at once
         threading.Thread(target=self._accept, daemon=True).start()
 
     def url(self, database_url: str) -> str:
@@ -389,14 +390,23 @@ class Proxy:
         """The client stops reading (a frozen process): requests still reach the server."""
         self.replies.clear()
 
+    def down(self) -> None:
+        """The database is down: open connections end, new ones are closed at once."""
+        self.refusing = True
+        self._drop_pairs()
+
     def restore(self) -> None:
         """The network is back: connections that were cut are gone; new ones flow."""
+        self._drop_pairs()
+        self.refusing = False
+        self.open.set()
+
+    def _drop_pairs(self) -> None:
         for a, b in self.pairs:
             for sock in (a, b):
                 with contextlib.suppress(OSError):
                     sock.close()
         self.pairs.clear()
-        self.open.set()
 
     def close(self) -> None:
         self.closed = True
@@ -413,6 +423,9 @@ class Proxy:
             except OSError:
                 return
             self.open.wait()
+            if self.refusing:
+                client.close()
+                continue
             try:
                 server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 if self.receive_buffer:

@@ -64,12 +64,12 @@ def node_label(params: dict[str, Any]) -> str:
 
 
 def describe_node(params: dict[str, Any], instance: str) -> Node:
-    """What one node is, reached on its own within 5 s."""
+    """What one node is, reached on its own within 5 s, under the replica's name (both
+    win over the URL's own connect_timeout and application_name)."""
     label = node_label(params)
+    options = {**params, "connect_timeout": 5, "application_name": instance}
     try:
-        with psycopg.connect(
-            autocommit=True, connect_timeout=5, application_name=instance, **params
-        ) as conn:
+        with psycopg.connect(autocommit=True, **options) as conn:
             refuse_standby(conn)
     except NotPrimary as exc:
         return Node(False, str(exc))

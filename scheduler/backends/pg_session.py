@@ -42,17 +42,18 @@ _SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", READ_ONLY}
 def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:
     """libpq options: the instance name for pg_stat_activity, dead-peer detection, the primary.
 
-    `target_session_attrs=read-write` (unless the URL sets it): of the hosts of
-    a multi-host URL, libpq takes the first that accepts writes, at every
-    (re)connection, so a replica follows the primary through a failover. With
-    several hosts each gets a tenth of holder_timeout to answer, not a third:
-    a dead one that drops packets (not refusing) delays each attempt that much.
+    The application_name is always the replica's name, whatever the URL says: the
+    fleet tells its live replicas apart by it. `target_session_attrs=read-write`
+    (unless the URL sets it): of the hosts of a multi-host URL, libpq takes the
+    first that accepts writes, at every (re)connection, so a replica follows the
+    primary through a failover. With several hosts each gets a tenth of
+    holder_timeout to answer, not a third: a dead one that drops packets (not
+    refusing) delays each attempt that much. Options given here win over the URL's.
     """
     parts = parse_database_url(url)
     given = parts.option_names
     share = 10 if parts.host_count > 1 else 3
     wanted: dict[str, Any] = {
-        "application_name": instance,
         "target_session_attrs": "read-write",
         "connect_timeout": max(2, math.ceil(holder_timeout / share)),
         "keepalives": 1,
@@ -61,7 +62,7 @@ def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, An
         "keepalives_count": 3,
         "tcp_user_timeout": int(holder_timeout * 1000),
     }
-    return {k: v for k, v in wanted.items() if k not in given}
+    return {"application_name": instance, **{k: v for k, v in wanted.items() if k not in given}}
 
 
 def psycopg_engine(url: str, args: dict[str, Any], **options: Any) -> Engine:

@@ -6,8 +6,12 @@ with JavaScript off; with it on, it refreshes itself. Like the rest of the
 HTTP side it observes the fleet through the ledger, and its three actions go
 through the modules the command line uses. Modules:
 
-- `routes`: the HTTP side (routes, query parsing, login, actions)
+- `routes`: the HTTP side (every route answers; login, actions)
+- `reading`: the GET routes, which see the ledger read-only
+- `query`: every query parameter and its parser (`scheduler.parsing`)
+- `render`: HTML, JSON and one-line answers, and their headers
 - `auth`: the token, the session cookie, CSRF and origin checks
+- `throttle`: how many wrong tokens a client may send
 - `views`: what each page shows, from `scheduler.status`
 - `window`: the timeline's bounded reads of the ledger
 - `timeline`, `plot`: SVG drawn on the server (pure functions)

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from scheduler.parsing import Refused, whole
+
 COOKIE = "scheduler_session"
 SESSION_S = 12 * 3600  # a login lasts this long
 SAME_SITE = ("same-origin", "none")  # Sec-Fetch-Site values of a request made by this page
@@ -51,7 +53,7 @@ class Guard:
             return False
         # Digests of equal length: the comparison tells nothing, not even the token's length.
         mine = hashlib.sha256(self._key).digest()
-        return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), mine)
+        return hmac.compare_digest(hashlib.sha256(_bytes(given)).digest(), mine)
 
     def new_cookie(self) -> str:
         """The Set-Cookie value of a fresh login."""
@@ -74,11 +76,22 @@ class Guard:
         value = _cookie(headers.get("cookie", ""), COOKIE)
         expires, _, rest = value.partition(".")
         nonce, _, mac = rest.partition(".")
-        if not (expires.isdigit() and nonce and mac) or int(expires) < self.clock():
+        try:
+            until = whole(expires, "cookie", 0, 2**62)
+        except Refused:
             return None
-        if not hmac.compare_digest(mac, self._mac("session", expires, nonce)):
+        if not (nonce and mac) or until < self.clock():
+            return None
+        if not _same(mac, self._mac("session", expires, nonce)):
             return None
         return Session(nonce, False)
+
+    def bearer_fails(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request sends a token as a bearer, and a wrong one."""
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        if self._key is None or scheme.lower() != "bearer" or not given:
+            return False
+        return not self.token_matches(given.strip())
 
     def csrf(self, session: Session | None) -> str:
         return "" if session is None or session.bearer else self._mac("csrf", session.nonce)
@@ -98,7 +111,7 @@ class Guard:
         cross = cross_site(headers)
         if cross:
             return cross
-        if not hmac.compare_digest(form.get("csrf", ""), self.csrf(session)):
+        if not _same(form.get("csrf", ""), self.csrf(session)):
             return "the form is stale or came from elsewhere: reload the page and try again"
         return None
 
@@ -112,6 +125,17 @@ def cross_site(headers: Mapping[str, str]) -> str | None:
     if origin is not None and origin.split("://", 1)[-1] != headers.get("host", ""):
         return "refused: the request came from another origin"
     return None
+
+
+def _bytes(text: str) -> bytes:
+    """Any text as bytes, one way only (a lone surrogate too), for comparing."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _same(given: str, expected: str) -> bool:
+    """Constant-time, whatever characters the client sent (compare_digest takes only ASCII
+    text)."""
+    return hmac.compare_digest(_bytes(given), _bytes(expected))
 
 
 def _cookie(header: str, name: str) -> str:

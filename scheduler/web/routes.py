@@ -1,26 +1,30 @@
-"""The page's HTTP side: routes, query parsing, the login, and the three actions.
+"""The page's HTTP side: its routes, the login, and the three actions.
 
 Reading: `/`, `/jobs/NAME`, `/api/status`, `/api/jobs/NAME/history` (open,
-or behind the token with `http_protect: all`). Acting: POST
-`/jobs/NAME/pause`, `/resume` and `/run`, through the same modules as
-`scheduler pause`, `resume` and `trigger` (`scheduler.pauses`,
-`scheduler.run_now`); a run-now request is handed to the fleet, and the job
-page shows what became of it. Each answer is rendered by one replica from the
-shared ledger, so every replica shows the same fleet.
+or behind the token with `http_protect: all`), served by `scheduler.web.reading`,
+which cannot write. Acting: POST `/jobs/NAME/pause`, `/resume` and `/run`,
+through the same modules as `scheduler pause`, `resume` and `trigger`
+(`scheduler.pauses`, `scheduler.run_now`); a run-now request is handed to the
+fleet, and withdrawn after the patience of `trigger` if no replica took it.
+Each answer is rendered by one replica from the shared ledger, so every
+replica shows the same fleet.
+
+Every route answers: a malformed value is 400 and one line (`scheduler.parsing`),
+a ledger that does not answer 503, and anything unforeseen 500 with one log
+line. A client that sends wrong tokens is slowed down (`scheduler.web.throttle`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from importlib import resources
-from typing import Any
-from urllib.parse import parse_qsl, quote, unquote
+from urllib.parse import quote
 
-from jinja2 import Environment, PackageLoader, select_autoescape
 from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
 from scheduler import ledger, pauses, run_now
 from scheduler.backends import Backend
@@ -28,37 +32,23 @@ from scheduler.catalog import Catalog, CatalogJob
 from scheduler.config import Settings
 from scheduler.errors import ConfigError, one_line
 from scheduler.http_server import Reply, Request, Route
-from scheduler.ledger import TickFilter
-from scheduler.status import fleet_status, history
-from scheduler.web import views
-from scheduler.web.auth import Guard, Session, cross_site
+from scheduler.parsing import Refused, local_path
+from scheduler.text import printable
+from scheduler.web import query
+from scheduler.web.auth import Guard, cross_site
+from scheduler.web.reading import Reading
+from scheduler.web.render import Render, redirect, text
+from scheduler.web.throttle import Throttle
 
 log = logging.getLogger("scheduler.http")
 
-HTML = "text/html; charset=utf-8"
-JSON = "application/json"
-STATIC = {"page.css": "text/css; charset=utf-8", "page.js": "text/javascript; charset=utf-8"}
-# Nothing is fetched from elsewhere, no inline script runs, no other site may frame the page.
-SECURITY = (
-    (
-        "Content-Security-Policy",
-        "default-src 'none'; style-src 'self'; script-src 'self'; img-src 'self';"
-        " connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-    ),
-    ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "same-origin"),  # no-referrer would make browsers send Origin: null
-    ("Cache-Control", "no-store"),
-)
-MAX_FIELDS = 20
-MIN_REFRESH = 2  # seconds between two refreshes of a page, at least
-API_LIMIT = 1000  # rows of /api/jobs/NAME/history at most
-DONE = {  # what the job page says after an action (a fixed vocabulary, never echoed input)
-    "paused": "Paused for the fleet.",
-    "already": "It was paused already; the first pause stays.",
-    "resumed": "Resumed: its next tick runs.",
-    "not-paused": "It was not paused.",
-    "run": "Run-now request sent to the fleet.",
-}
+ROUTES_WITH_A_TOKEN = (("POST", "/login"),)  # besides any request with Authorization
+
+
+def _later(delay: float, act: Callable[[], None]) -> None:
+    timer = threading.Timer(delay, act)
+    timer.daemon = True
+    timer.start()
 
 
 class Page:
@@ -68,6 +58,7 @@ class Page:
         catalog: Callable[[], Catalog],
         settings: Settings,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.catalog = catalog  # the replica's catalog now (a reload replaces it)
@@ -75,105 +66,101 @@ class Page:
         self.clock = clock
         token = settings.http_token.get_secret_value() if settings.http_token else None
         self.guard = Guard(token, settings.http_protect)
-        self.templates = Environment(
-            loader=PackageLoader("scheduler.web", "templates"),
-            autoescape=select_autoescape(default=True, default_for_string=True),
-            trim_blocks=True,
-            lstrip_blocks=True,
-        )
-        self.templates.filters["when"] = when
-        folder = resources.files("scheduler.web") / "static"
-        self.static = {name: (folder / name).read_bytes() for name in STATIC}
+        self.render = Render(self.guard, settings.instance_name, clock)
+        self.reading = Reading(backend, catalog, settings, self.render, clock)
+        self.throttle = Throttle(clock=monotonic)
+        self.later: Callable[[float, Callable[[], None]], None] = _later
 
     def routes(self) -> dict[tuple[str, str], Route]:
-        return {
-            ("GET", "/"): self._reading(self.index),
-            ("GET", "/jobs/*"): self._reading(self.job),
-            ("POST", "/jobs/*"): self.act,
-            ("GET", "/api/status"): self._reading(self.api_status),
-            ("GET", "/api/jobs/*"): self._reading(self.api_history),
-            ("GET", "/login"): self.login_form,
-            ("POST", "/login"): self.login,
-            ("POST", "/logout"): self.logout,
-            ("GET", "/static/*"): self.asset,
+        table: dict[tuple[str, str], Route] = {
+            ("GET", path): route for path, route in self.reading.routes().items()
         }
+        table[("POST", "/jobs/*")] = self.act
+        table[("POST", "/login")] = self.login
+        table[("POST", "/logout")] = self.logout
+        return {key: self._answered(route) for key, route in table.items()}
 
-    # reading
+    def _answered(self, route: Route) -> Route:
+        """The route, behind the login throttle; whatever happens, an answer."""
 
-    def _reading(self, route: Route) -> Route:
-        def guarded(request: Request) -> Reply:
-            if self.guard.may_read(request.headers):
-                return route(request)
-            if request.path.startswith("/api/"):
-                challenge = (("WWW-Authenticate", 'Bearer realm="scheduler"'),)
-                return Reply(401, b"send Authorization: Bearer <http_token>\n", headers=challenge)
-            return _redirect("/login?next=" + quote(request.path))
+        def answer(request: Request) -> Reply:
+            try:
+                return self._too_many_guesses(request) or route(request)
+            except Refused as exc:
+                return text(400, str(exc))
+            except SQLAlchemyError as exc:
+                log.warning(
+                    "page: %s: the ledger did not answer: %s", _said(request), one_line(exc)
+                )
+                return text(503, "the ledger did not answer; try again", (("Retry-After", "5"),))
+            except Exception as exc:  # a fault here, not the client's: one line, no traceback
+                log.error("page: %s failed: %s", _said(request), one_line(exc))
+                return text(500, "internal error")
 
-        return guarded
+        return answer
 
-    def index(self, request: Request) -> Reply:
-        query = _query(request)
-        window, sort = query.get("window", ""), query.get("sort", "")
-        wanted = views.Wanted(
-            window=window if window in views.WINDOWS else views.DEFAULT_WINDOW,
-            query=query.get("q", "")[:100],
-            sort=sort if sort in views.SORTS else views.SORTS[0],
+    # tokens and the login
+
+    def _too_many_guesses(self, request: Request) -> Reply | None:
+        """429 for a client out of guesses that sends a token; a wrong bearer counts."""
+        presents = "authorization" in request.headers or (
+            (request.method, request.path) in ROUTES_WITH_A_TOKEN
         )
-        data = views.index(self.backend, self.catalog(), self.clock(), wanted)
-        return self._html("index.html", request, data)
+        if not presents:
+            return None
+        if not self.throttle.allows(request.client):
+            wait = str(self.throttle.retry_after(request.client))
+            return text(
+                429, f"too many wrong tokens: try again in {wait} s", (("Retry-After", wait),)
+            )
+        if self.guard.bearer_fails(request.headers):
+            self._wrong_token(request)
+        return None
 
-    def job(self, request: Request) -> Reply:
-        found = self._job(request.path.removeprefix("/jobs/"))
-        if found is None:
-            return self._html("missing.html", request, {}, status=404)
-        query = _query(request)
-        before = query.get("before")
-        data = views.job_page(self.backend, self.catalog(), found, self.clock(), before)
-        asked = query.get("asked", "")
-        data["asked"] = self._request_state(int(asked)) if asked.isdigit() else None
-        data["done"] = DONE.get(query.get("done", ""))
-        return self._html("job.html", request, data)
+    def _wrong_token(self, request: Request) -> None:
+        left = self.throttle.failed(request.client)
+        then = f"{left} more allowed now" if left else "it must now wait between tries"
+        log.warning("page: a wrong token from %s (%s); %s", _client(request), _said(request), then)
 
-    def api_status(self, request: Request) -> Reply:
-        document = fleet_status(self.backend, self.catalog(), self.clock())
-        return Reply(200, json.dumps(document, indent=2).encode(), JSON, SECURITY)
+    def login(self, request: Request) -> Reply:
+        form = query.form(request)
+        target = local_path(form.get("next"))
+        refused = cross_site(request.headers)
+        if refused or not self.guard.actions_on:
+            why = refused or "no http_token is configured on this replica"
+            data = {"why": why, "job": None}
+            return self.render.html("refused.html", request, data, status=403)
+        if not self.guard.token_matches(form.get("token", "")):
+            self._wrong_token(request)
+            data = {"next": target, "failed": True}
+            return self.render.html("login.html", request, data, status=403)
+        return redirect(target, (("Set-Cookie", self.guard.new_cookie()),))
 
-    def api_history(self, request: Request) -> Reply:
-        name, _, rest = request.path.removeprefix("/api/jobs/").partition("/")
-        found = self._job(name)
-        if found is None or rest != "history":
-            return Reply(404, b"no such job (see /api/status)\n", headers=SECURITY)
-        query = _query(request)
-        limit = query.get("limit", "50")
-        if not limit.isdigit() or not 1 <= int(limit) <= API_LIMIT:
-            return Reply(400, f"limit: a whole number from 1 to {API_LIMIT}\n".encode())
-        wanted = TickFilter(key=found.key, until=views.until(query.get("before")), limit=int(limit))
-        rows = history(self.backend, wanted)
-        return Reply(200, json.dumps(rows, indent=2).encode(), JSON, SECURITY)
-
-    def asset(self, request: Request) -> Reply:
-        name = request.path.removeprefix("/static/")
-        if name not in self.static:
-            return Reply(404, b"not found\n")
-        cache = (("Cache-Control", "max-age=300"), ("X-Content-Type-Options", "nosniff"))
-        return Reply(200, self.static[name], STATIC[name], cache)
+    def logout(self, request: Request) -> Reply:
+        refused = self.guard.refuse_post(request.headers, query.form(request))
+        if refused:
+            data = {"why": refused, "job": None}
+            return self.render.html("refused.html", request, data, status=403)
+        return redirect("/", (("Set-Cookie", self.guard.cleared_cookie()),))
 
     # acting
 
     def act(self, request: Request) -> Reply:
         name, _, action = request.path.removeprefix("/jobs/").partition("/")
-        found = self._job(name)
+        found = self.reading.named(name)
         if found is None or action not in ("pause", "resume", "run"):
-            return Reply(404, b"not found\n", headers=SECURITY)
-        form = _form(request)
+            return text(404, "not found")
+        form = query.form(request)
         refused = self.guard.refuse_post(request.headers, form)
         if refused:
-            return self._html("refused.html", request, {"why": refused, "job": name}, status=403)
+            data = {"why": refused, "job": name}
+            return self.render.html("refused.html", request, data, status=403)
         try:
             target = self._do(action, found, form)
         except ConfigError as exc:
-            return self._html("refused.html", request, {"why": str(exc), "job": name}, status=400)
-        return _redirect(target)
+            data = {"why": str(exc), "job": name}
+            return self.render.html("refused.html", request, data, status=400)
+        return redirect(target)
 
     def _do(self, action: str, job: CatalogJob, form: dict[str, str]) -> str:
         who = pauses.checked(form.get("by"), "by", pauses.MAX_ACTOR)
@@ -202,12 +189,13 @@ class Page:
                 request = run_now.ask(
                     conn, job.key, job.name, by=actor, now=now, namespace=namespace
                 )
-                return f"{base}?done=run&asked={request}"
         except ConfigError:
             raise
         except Exception as exc:
             log.warning("page: %s %s failed: %s", action, job.name, one_line(exc))
             raise ConfigError(f"cannot {action} {job.name}: the ledger did not answer") from None
+        self._withdraw_later(request)
+        return f"{base}?done=run&asked={request}"
 
     def _taker_for(self, conn: Connection, job: CatalogJob) -> bool:
         """Whether a live replica has the job, and so may take a run-now request for it."""
@@ -215,104 +203,22 @@ class Page:
         found = ledger.registrations_of(conn, [job.key])
         return any(r.instance in live and r.until is None for r in found)
 
-    def _request_state(self, request: int) -> dict[str, Any] | None:
-        """A run-now request as the job page tells it; one nobody took within the
-        patience of `scheduler trigger` is withdrawn, as that command would."""
-        with self.backend.ledger_engine.begin() as conn:
-            state = run_now.state(conn, request)
-            if state is None or state["taken_by"] is not None:
-                return state
-            waited = (self.clock() - state["requested_at"]).total_seconds()
-            patience = run_now.patience(self.settings.holder_timeout)
-            if waited > patience and run_now.withdraw(conn, request):
-                return {**state, "withdrawn": waited}
-            return state
+    def _withdraw_later(self, request: int) -> None:
+        """A request nobody takes within the patience of `scheduler trigger` is withdrawn,
+        as that command would: a replica that starts later must not run it."""
+        self.later(run_now.patience(self.settings.holder_timeout), lambda: self._withdraw(request))
 
-    # the login
-
-    def login_form(self, request: Request) -> Reply:
-        data = {"next": _local(_query(request).get("next")), "failed": False}
-        return self._html("login.html", request, data)
-
-    def login(self, request: Request) -> Reply:
-        form = _form(request)
-        target = _local(form.get("next"))
-        refused = cross_site(request.headers)
-        if refused or not self.guard.actions_on:
-            why = refused or "no http_token is configured on this replica"
-            return self._html("refused.html", request, {"why": why, "job": None}, status=403)
-        if not self.guard.token_matches(form.get("token", "")):
-            data = {"next": target, "failed": True}
-            return self._html("login.html", request, data, status=403)
-        return _redirect(target, (("Set-Cookie", self.guard.new_cookie()),))
-
-    def logout(self, request: Request) -> Reply:
-        refused = self.guard.refuse_post(request.headers, _form(request))
-        if refused:
-            return self._html("refused.html", request, {"why": refused, "job": None}, status=403)
-        return _redirect("/", (("Set-Cookie", self.guard.cleared_cookie()),))
-
-    # helpers
-
-    def _job(self, quoted: str) -> CatalogJob | None:
-        return self.catalog().by_name(unquote(quoted)) if "/" not in quoted else None
-
-    def _html(
-        self, template: str, request: Request, data: dict[str, Any], status: int = 200
-    ) -> Reply:
-        session: Session | None = self.guard.session(request.headers)
-        page = self.templates.get_template(template).render(
-            **data,
-            refresh=_refresh(_query(request).get("refresh", "")),
-            path=request.path,
-            instance=self.settings.instance_name,
-            actions_on=self.guard.actions_on,
-            session=session,
-            csrf=self.guard.csrf(session),
-            now=self.clock(),
-        )
-        return Reply(status, page.encode(), HTML, SECURITY)
+    def _withdraw(self, request: int) -> None:
+        try:
+            with self.backend.ledger_engine.begin() as conn:
+                run_now.withdraw(conn, request)
+        except Exception as exc:
+            log.warning("page: cannot withdraw run-now request %d: %s", request, one_line(exc))
 
 
-def when(value: str | datetime | None) -> str:
-    """An instant as people read it on the page: 2026-11-30 22:10:03 UTC."""
-    if value is None:
-        return ""
-    instant = datetime.fromisoformat(value) if isinstance(value, str) else value
-    return instant.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+def _said(request: Request) -> str:
+    return printable(f"{request.method} {request.path}"[:200])
 
 
-def _refresh(asked: str) -> int | None:
-    """`?refresh=N`: the script refreshes every N seconds (0: never; at least 2)."""
-    if not asked.isdigit():
-        return None
-    seconds = int(asked)
-    return 0 if seconds == 0 else min(max(seconds, MIN_REFRESH), 3600)
-
-
-def _query(request: Request) -> dict[str, str]:
-    return _fields(request.query)
-
-
-def _form(request: Request) -> dict[str, str]:
-    return _fields(request.body.decode("utf-8", "replace"))
-
-
-def _fields(text: str) -> dict[str, str]:
-    try:
-        return dict(parse_qsl(text, max_num_fields=MAX_FIELDS))
-    except ValueError:  # too many fields: none is taken
-        return {}
-
-
-def _local(target: str | None) -> str:
-    """Only a path of this site: never another site (`//evil`, `http://...`)."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
-        return "/"
-    if not target.isprintable() or len(target) > 500:  # nothing that could split a header
-        return "/"
-    return target
-
-
-def _redirect(target: str, headers: tuple[tuple[str, str], ...] = ()) -> Reply:
-    return Reply(303, b"", headers=(("Location", target), *headers, *SECURITY))
+def _client(request: Request) -> str:
+    return printable(request.client or "an unknown address")

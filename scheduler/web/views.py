@@ -9,7 +9,7 @@ line never disagree; the timeline reads its window through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import desc, select
@@ -33,6 +33,13 @@ WINDOWS = {
 }
 DEFAULT_WINDOW = "1h"
 SORTS = ("problems", "name", "next", "last")
+DONE = {  # what the job page says after an action (a fixed vocabulary, never echoed input)
+    "paused": "Paused for the fleet.",
+    "already": "It was paused already; the first pause stays.",
+    "resumed": "Resumed: its next tick runs.",
+    "not-paused": "It was not paused.",
+    "run": "Run-now request sent to the fleet.",
+}
 HISTORY_PAGE = 25
 PLOTTED = 100  # runs in the duration and lateness plot
 NOTICES = 10
@@ -120,11 +127,11 @@ def job_page(
     catalog: Catalog,
     job: CatalogJob,
     now: datetime,
-    before: str | None,
+    older_than: datetime | None,
 ) -> dict[str, Any]:
+    """One job; its history from the newest tick, or from `older_than` (inclusive) back."""
     status = fleet_status(backend, catalog, now)
     (entry,) = [j for j in status["jobs"] if j["name"] == job.name]
-    older_than = until(before)
     rows = history(backend, TickFilter(key=job.key, until=older_than, limit=HISTORY_PAGE + 1))
     finished = history(backend, TickFilter(key=job.key, statuses=FINISHED, limit=PLOTTED))
     more = len(rows) > HISTORY_PAGE
@@ -139,20 +146,6 @@ def job_page(
         "plotted": len(finished),
         "notices": recent_notices(backend, job.key),
     }
-
-
-def until(before: str | None) -> datetime | None:
-    """The last instant of a page of ticks scheduled before `before` (ISO-8601; UTC if
-    it has no offset); None for the newest page, or a value that is no instant."""
-    if not before:
-        return None
-    try:
-        instant = datetime.fromisoformat(before)
-    except ValueError:
-        return None
-    if instant.tzinfo is None:
-        instant = instant.replace(tzinfo=UTC)
-    return instant - timedelta(microseconds=1)  # `until` is inclusive: the tick itself is not
 
 
 def recent_notices(backend: Backend, key: int) -> list[dict[str, Any]]:

@@ -15,7 +15,17 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.support import Fleet, Receiver, cli, parse_tick, wait_for, whole_seconds
+from tests.support import (
+    Fleet,
+    Proxy,
+    Receiver,
+    Replica,
+    cli,
+    host_port,
+    parse_tick,
+    wait_for,
+    whole_seconds,
+)
 
 pytestmark = pytest.mark.fleet
 
@@ -151,6 +161,18 @@ def _ticks(fleet: Fleet) -> list[datetime]:
     return [parse_tick(e["tick"]) for e in fleet.starts()]
 
 
+def _runs_every_second_once_reloaded(fleet: Fleet, replica: Replica, timeout: float) -> None:
+    """The watched edit from 2 s to 1 s is applied, and the new grid's odd seconds run."""
+    said = "config.yaml changed: config.yaml reloaded"
+    wait_for(lambda: said in replica.log(), timeout, "the reload")
+    since = datetime.now(UTC)
+    wait_for(
+        lambda: sum(t > since and t.second % 2 for t in _ticks(fleet)) >= 2,
+        60,
+        "runs on the odd seconds of the new grid",
+    )
+
+
 def test_sighup_reloads_a_schedule_without_a_restart_exactly_once_across_the_fleet(
     tmp_path, database_url
 ):
@@ -216,21 +238,38 @@ def test_reload_watch_applies_an_edit_without_a_signal(tmp_path):
         fleet.wait_ready()
         wait_for(lambda: len(fleet.ends()) >= 2, 60, "runs on the 2 s grid")
         _edit(fleet, "interval: 2s", "interval: 1s")
-        wait_for(
-            lambda: "config.yaml changed: config.yaml reloaded" in fleet.replicas["r1"].log(),
-            30,
-            "the reload",
-        )
-        changed_at = datetime.now(UTC)
-        wait_for(
-            lambda: sum(t > changed_at and t.second % 2 for t in _ticks(fleet)) >= 2,
-            60,
-            "runs on the odd seconds of the new grid",
-        )
+        _runs_every_second_once_reloaded(fleet, fleet.replicas["r1"], 30)
         codes = fleet.stop()
     finally:
         fleet.kill_all()
     assert codes == {"r1": 0}, fleet.logs()
+
+
+def test_a_watched_edit_seen_while_the_database_is_down_applies_once_it_is_back(
+    tmp_path, database_url
+):
+    proxy = Proxy(*host_port(database_url))
+    settings = {"reload": "watch", "holder_timeout": 6}
+    fleet = Fleet(
+        tmp_path, database_url, {"steady": {"interval": "2s"}}, settings=settings, job_files=JOBS
+    )
+    replica = fleet.start("r1", env={"SCHEDULER_DATABASE_URL": proxy.url(database_url)})
+    try:
+        fleet.wait_ready()
+        wait_for(lambda: len(fleet.ends()) >= 2, 60, "runs on the 2 s grid")
+        proxy.down()
+        _edit(fleet, "interval: 2s", "interval: 1s")
+        wait_for(lambda: "config.yaml not reloaded" in replica.log(), 60, "the failed reload")
+        time.sleep(5)  # the database stays away a while: the replica keeps trying, quietly
+        proxy.restore()
+        _runs_every_second_once_reloaded(fleet, replica, 90)
+        codes = fleet.stop()
+    finally:
+        fleet.kill_all()
+        proxy.close()
+    assert codes == {"r1": 0}, fleet.logs()
+    failed = [line for line in replica.log().splitlines() if "config.yaml not reloaded" in line]
+    assert 1 <= len(failed) <= 4, failed  # once per distinct failure, not every second
 
 
 def test_replicas_that_run_different_schedules_are_shown_told_and_run_each_tick_once(

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from scheduler.backends import open_backend
 from scheduler.backends.embedded import EmbeddedBackend
+from scheduler.catalog import load_catalog
 from scheduler.cli import main
+from scheduler.config import load_config
 from scheduler.gate import Gate
+from scheduler.web.routes import Page
 from tests.support import FakeMonotonic, Recorder
 
 JOBS = """
@@ -32,16 +37,23 @@ jobs:
   report:
     cron: "0 2 * * *"
 """
+PAGE_NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)  # the page's clock in page tests
+
+
+def two_jobs(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project of the two jobs in `folder`, and no SCHEDULER_ setting from outside."""
+    (folder / "jobs").mkdir()
+    (folder / "jobs" / "work.py").write_text(textwrap.dedent(JOBS))
+    (folder / "config.yaml").write_text(textwrap.dedent(CONFIG))
+    for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
+        monkeypatch.delenv(var)
+    return folder / "config.yaml"
 
 
 @pytest.fixture
 def run(tmp_path: Path, capsys, monkeypatch):
     """`scheduler COMMAND ...` on a project of two jobs with an embedded ledger."""
-    (tmp_path / "jobs").mkdir()
-    (tmp_path / "jobs" / "work.py").write_text(textwrap.dedent(JOBS))
-    (tmp_path / "config.yaml").write_text(textwrap.dedent(CONFIG))
-    for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
-        monkeypatch.delenv(var)
+    two_jobs(tmp_path, monkeypatch)
 
     def run(*args: str) -> tuple[int, str, str]:
         command, *rest = args
@@ -75,3 +87,26 @@ def gate_over_file(tmp_path):
     yield make
     for gate in made:
         gate.backend.close()
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch):
+    """Page(**env): the page of a project of two jobs over an embedded ledger, at PAGE_NOW."""
+    path = two_jobs(tmp_path, monkeypatch)
+    monkeypatch.setenv("SCHEDULER_INSTANCE_NAME", "unit-1")
+
+    def make(**env: str) -> Page:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return page_of(path)
+
+    return make
+
+
+def page_of(path: Path) -> Page:
+    """The page of the project at `path`, over the backend its settings name, at PAGE_NOW."""
+    config = load_config(path)
+    backend = open_backend(config.settings)
+    backend.migrate()
+    catalog = load_catalog(config)
+    return Page(backend, lambda: catalog, config.settings, clock=lambda: PAGE_NOW)

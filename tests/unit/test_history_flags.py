@@ -23,6 +23,16 @@ from scheduler.tables import duration
         (("--since", "x" * 5000 + "\x00"), "--since: expected an age"),
         (("--tz", "Mars/Olympus"), "--tz: 'Mars/Olympus': unknown time zone"),
         (("nope",), "no job named 'nope'"),
+        (("--limit", "\u00b2"), "--limit: expected a whole number from 1 to 1000000, got '\u00b2'"),
+        (("--limit", "99999999999999999999999"), "--limit: expected a whole number from 1"),
+        (("--limit", "0"), "--limit: expected a whole number from 1"),
+        (("--limit", "1" * 5000), "--limit: expected a whole number from 1"),
+        (("--until", "9999-12-31T23:59:59-14:00"), "is out of range"),
+        (("--until", "0001-01-01"), "--until: '0001-01-01' is out of range"),
+        (("--since", "99999999999999d"), "--since: '99999999999999d' is out of range"),
+        (("--since", "\u0663h"), "--since: expected an age"),  # an Arabic-Indic three
+        (("--instance", "a\x00b"), "--instance: expected a replica's name"),
+        (("--instance", "r" * 64), "--instance: expected a replica's name"),
     ],
 )
 def test_bad_history_flags_are_one_line_and_exit_2(run, args, expect):

@@ -160,6 +160,10 @@ def test_unknown_job_exits_2_with_one_line(run):
         (["--next", "3", "--after", "tomorrow"], ["--after", "'tomorrow'", "ISO-8601"]),
         (["--next", "3", "--after", "2026-13-01T00:00"], ["--after", "'2026-13-01T00:00'"]),
         (["--next", "3", "--after", "0001-01-01T00:00+05:00"], ["--after", "out of range"]),
+        (["--next", "3", "--after", "0001-01-01T00:00"], ["--after", "out of range"]),
+        (["--next", "3", "--after", "9999-12-31T23:59:59"], ["--after", "out of range"]),
+        (["--next", "\u00b2"], ["--next", "1 to 1000"]),
+        (["--next", "9" * 5000], ["--next", "1 to 1000"]),
     ],
 )
 def test_bad_values_exit_2_with_one_line(run, args, fragments):

@@ -4,25 +4,18 @@ embedded ledger (README: The page)."""
 from __future__ import annotations
 
 import json
-import os
-import textwrap
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
+from datetime import timedelta
 
 import pytest
 
 from scheduler import ledger
-from scheduler.backends import open_backend
-from scheduler.catalog import load_catalog
-from scheduler.config import load_config
 from scheduler.http_server import MAX_BODY, HealthServer, Reply, Request, find_route
 from scheduler.web import timeline
 from scheduler.web.auth import Guard
 from scheduler.web.routes import Page
 from scheduler.web.window import BUCKETS, LANE_DETAIL, Lane, Tick, Window, read_lanes
-from tests.unit.conftest import CONFIG, JOBS
+from tests.unit.conftest import PAGE_NOW as NOW
 
-NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 TOKEN = "unit-test-token-0123456789"
 XSS = "<script>alert(1)</script> & <b>x</b>"
 
@@ -92,27 +85,6 @@ def test_the_session_cookie_holds_no_token_and_resists_tampering():
     clock[0] += 13 * 3600  # past the session's 12 hours
     assert guard.session({"cookie": value}) is None
     assert Guard(None, "actions").refuse_post({"authorization": f"Bearer {TOKEN}"}, {})
-
-
-@pytest.fixture
-def project(tmp_path: Path, monkeypatch):
-    (tmp_path / "jobs").mkdir()
-    (tmp_path / "jobs" / "work.py").write_text(textwrap.dedent(JOBS))
-    (tmp_path / "config.yaml").write_text(textwrap.dedent(CONFIG))
-    for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
-        monkeypatch.delenv(var)
-    monkeypatch.setenv("SCHEDULER_INSTANCE_NAME", "unit-1")
-
-    def make(**env: str) -> Page:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        config = load_config(tmp_path / "config.yaml")
-        backend = open_backend(config.settings)
-        backend.migrate()
-        catalog = load_catalog(config)
-        return Page(backend, lambda: catalog, config.settings, clock=lambda: NOW)
-
-    return make
 
 
 def ask(page: Page, method: str, target: str, body: str = "", **headers: str):

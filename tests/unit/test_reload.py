@@ -154,7 +154,8 @@ def test_a_file_watch_sees_an_edit_and_a_swapped_link(tmp_path):
     (data / "config.yaml").write_text("jobs: {}\n")
     link = tmp_path / "config.yaml"
     link.symlink_to(data / "config.yaml")
-    watch = FileWatch(link)
+    clock = [0.0]
+    watch = FileWatch(link, clock=lambda: clock[0])
     assert not watch.changed()
     swapped = tmp_path / "..2026_12_01"
     swapped.mkdir()
@@ -162,6 +163,127 @@ def test_a_file_watch_sees_an_edit_and_a_swapped_link(tmp_path):
     link.unlink()
     assert not watch.changed()  # gone for a moment: no change yet
     link.symlink_to(swapped / "config.yaml")
+    assert not watch.changed()  # seen: counted once it stays so
+    clock[0] += 1.0
     assert watch.changed() and not watch.changed()
     (swapped / "config.yaml").write_text("jobs: {a: 1}\n")
+    watch.changed()
+    clock[0] += 1.0
     assert watch.changed()
+
+
+def test_a_file_watch_waits_until_the_file_is_still(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(CONFIG))
+    clock = [100.0]
+    watch = FileWatch(path)
+    watch.clock = lambda: clock[0]
+    path.write_text("")  # an editor truncates, then writes: the empty file is no config
+    assert not watch.changed()
+    clock[0] += 1.0
+    path.write_text(textwrap.dedent(CONFIG).replace("2s", "1s"))
+    assert not watch.changed()  # it changed since the last look: still being written
+    clock[0] += 1.0
+    assert watch.changed()  # the same for a second: written
+    assert not watch.changed()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "\n",
+        "# being written\n",
+        "scheduler:\n  max_workers: 4\n",
+        "scheduler:\n  max_workers: 4\njobs:\n",
+    ],
+)
+def test_a_reload_never_applies_a_file_that_names_no_job(project, caplog, text):
+    daemon, backend = started(project)
+    try:
+        before = daemon.catalog
+        (project / "config.yaml").write_text(text)
+        with caplog.at_level(logging.INFO, logger="scheduler"):
+            assert not daemon.reload("config.yaml changed")
+        (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert "names no job" in error.getMessage() and "jobs: {}" in error.getMessage()
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # no restart talk
+        assert daemon.catalog is before
+        assert {j.id for j in daemon.scheduler.get_jobs()} == {"sync", "report"}
+    finally:
+        daemon.scheduler.shutdown(wait=False)
+        backend.close()
+
+
+def test_jobs_written_empty_on_purpose_unschedules_every_job(project, caplog):
+    daemon, backend = started(project)
+    try:
+        (project / "config.yaml").write_text("scheduler:\n  max_workers: 4\njobs: {}\n")
+        with caplog.at_level(logging.INFO, logger="scheduler"):
+            assert daemon.reload("SIGHUP")
+        assert daemon.catalog.scheduled == ()
+        assert daemon.scheduler.get_jobs() == []
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        daemon.scheduler.shutdown(wait=False)
+        backend.close()
+
+
+def test_a_file_that_changes_while_it_is_read_is_read_again_later(project, monkeypatch):
+    import scheduler.reload as reload_module
+
+    config = load_config(str(project / "config.yaml"))
+    catalog = load_catalog(config)
+    real = reload_module.load_config
+
+    def read_then_written(*args, **kwargs):
+        found = real(*args, **kwargs)
+        edit(project, "interval: 2s", "interval: 1s")  # the writer goes on meanwhile
+        return found
+
+    monkeypatch.setattr(reload_module, "load_config", read_then_written)
+    with pytest.raises(reload_module.Unsettled, match="changed while it was read"):
+        reread(config, catalog)
+
+
+def test_a_reload_the_ledger_failed_is_tried_again_until_it_applies(project, caplog):
+    from sqlalchemy.exc import OperationalError
+
+    daemon, backend = started(project)
+    clock = [0.0]
+    daemon.reloads.clock = lambda: clock[0]
+    failures = [3]
+    real = daemon.housekeeping.reregister
+
+    def cut_off(catalog):
+        if failures[0]:
+            failures[0] -= 1
+            raise OperationalError("SELECT 1", {}, Exception("connection failed"))
+        return real(catalog)
+
+    daemon.housekeeping.reregister = cut_off
+    try:
+        edit(project, "interval: 2s", "interval: 1s")
+        daemon.reload_requested.set()
+        with caplog.at_level(logging.INFO, logger="scheduler"):
+            daemon._reload_if_asked(None)  # fails: the ledger
+            assert failures == [2]
+            daemon._reload_if_asked(None)  # not yet: it backs off
+            assert failures == [2]
+            for _ in range(20):
+                clock[0] += 1.0
+                daemon._reload_if_asked(None)
+        assert failures == [0]
+        assert daemon.catalog.by_name("sync").describe() == "every 1s"
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "connection failed" in errors[0]  # once per distinct failure
+        assert "config.yaml reloaded" in caplog.text
+        tries = [r for r in caplog.records if "config.yaml reloaded:" in r.getMessage()]
+        assert len(tries) == 1
+        caplog.clear()
+        clock[0] += 100.0
+        daemon._reload_if_asked(None)  # applied: nothing more to try
+        assert "reload" not in caplog.text
+    finally:
+        daemon.scheduler.shutdown(wait=False)
+        backend.close()

@@ -1,0 +1,52 @@
+"""The page over PostgreSQL: no GET route changes the ledger whatever it is sent, and a
+reading connection is refused writes by the server itself (README: The page)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import insert
+from sqlalchemy.exc import DBAPIError
+
+from scheduler import ledger
+from scheduler.web.reading import ReadingBackend
+from tests.unit.conftest import page_of, two_jobs
+from tests.unit.test_page_fuzz import filled, walk_every_get
+from tests.unit.test_page_input import dump
+from tests.unit.test_page_views import TOKEN
+
+
+@pytest.fixture
+def page(tmp_path, monkeypatch, database_url):
+    path = two_jobs(tmp_path, monkeypatch)
+    monkeypatch.setenv("SCHEDULER_DATABASE_URL", database_url)
+    monkeypatch.setenv("SCHEDULER_INSTANCE_NAME", "page-1")
+    monkeypatch.setenv("SCHEDULER_HTTP_TOKEN", TOKEN)
+    made = page_of(path)
+    yield made
+    made.backend.ledger_engine.dispose()
+
+
+def test_every_get_route_with_every_hostile_value_changes_nothing_on_postgresql(page):
+    page, cookie = filled(page)
+    before = dump(page)
+    walk_every_get(page, cookie)
+    assert dump(page) == before
+
+
+def test_a_reading_transaction_is_refused_writes_by_postgresql(page):
+    reader = ReadingBackend(page.backend)
+    row = {
+        "job_key": 2001,
+        "job_name": "sync",
+        "scheduled_at": datetime.now(UTC),
+        "status": "missed",
+    }
+    with (
+        pytest.raises(DBAPIError, match="read-only transaction"),
+        reader.ledger_engine.begin() as conn,
+    ):
+        conn.execute(insert(ledger.ticks).values(**row))
+    with page.backend.ledger_engine.begin() as conn:  # the pool still writes
+        conn.execute(insert(ledger.ticks).values(**row))
