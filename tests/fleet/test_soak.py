@@ -8,6 +8,10 @@ SOAK_TICKS (default 2000) sets how many ticks the chaos window holds at least
 (8 jobs every second: 5000 ticks is about 11 minutes); SOAK_SEED replays the
 faults' choices; SOAK_REPORT names a JSON file to write the figures to.
 
+Besides eight jobs every second, `retrying` (every 2 s) fails its first attempt of a
+tick half the time and has two retries, and `catching` (every second) has
+`catch_up: all`: retries and catch-up passes cross every fault too.
+
 Replica faults, one at a time and on one replica at a time (so at least one
 replica is healthy): SIGKILL and restart, SIGSTOP for 1-10 s (beyond
 holder_timeout too), every replica session killed, SIGTERM and restart,
@@ -16,14 +20,21 @@ them, an outside session holds ledger rows FOR UPDATE, as a report query or
 an operator's open transaction would: a few jobs' `scheduler_jobs` rows (in
 random order) or all of them for 1-8 s, longer than a lock-session statement
 may wait, and now and then a `running` row of `scheduler_ticks` for a few
-seconds. That session takes its row locks with SKIP LOCKED, so it never waits
-itself and can never be part of a deadlock: any deadlock counted is one
-between the fleet's own sessions.
+seconds; a pending retry's attempt row in `scheduler_attempts` (inserted, not
+committed: the retry look that copies the attempt waits on it, then fails); and
+the rows of `catching`'s next few ticks (inserted, not committed: those claims
+fail the same way). That session takes its row locks with SKIP LOCKED or a
+200 ms lock_timeout, so it never waits for long itself and can never be part of
+a deadlock: any deadlock counted is one between the fleet's own sessions.
 
-Afterwards, every tick in the window must have run exactly once, or be
-explained by the ledger: `skipped` (its job's previous run held the lock),
-`missed`, `crashed` or `interrupted` (a run or claim cut down by a fault), or
-`paused`. No deadlock may have happened in the test database, counted both
+Afterwards, every tick in the window must have run exactly once (each attempt
+of a retried tick once), or be explained by the ledger: `skipped` (its job's
+previous run held the lock), `missed`, `crashed` or `interrupted` (a run or
+claim cut down by a fault), or
+`paused`. No retry may be left pending, and no replica may have found a stray
+lock (a lock held with no run of its job: every failed claim gives its locks
+back at once; the heartbeat's check logs and counts any it finds). No deadlock
+may have happened in the test database, counted both
 by `pg_stat_database.deadlocks` and by `deadlock detected` lines appended to
 the server's log during the soak (when that log is readable here).
 """
@@ -53,8 +64,19 @@ from tests.support import Fleet, parse_tick, wait_for, whole_seconds
 pytestmark = [pytest.mark.soak, pytest.mark.fleet]
 
 QUICK_JOBS = 6  # quick_0 .. quick_5 in jobs/soak.py, keys 500 .. 505
-NAMES = [f"quick_{i}" for i in range(QUICK_JOBS)] + ["wobbly_a", "wobbly_b"]
-KEYS = [500 + i for i in range(QUICK_JOBS)] + [520, 521]
+NAMES = [f"quick_{i}" for i in range(QUICK_JOBS)] + ["wobbly_a", "wobbly_b", "retrying", "catching"]
+KEYS = [500 + i for i in range(QUICK_JOBS)] + [520, 521, 530, 531]
+SCHEDULES: dict[str, dict[str, Any]] = {
+    **{name: {"interval": "1s"} for name in NAMES},
+    "retrying": {"interval": "2s", "retries": 2, "retry_delay": "1s"},
+    "catching": {
+        "interval": "1s",
+        "catch_up": "all",
+        "catch_up_window": "20s",
+        "catch_up_limit": 20,
+    },
+}
+EVERY = {name: 2 if name == "retrying" else 1 for name in NAMES}  # seconds between ticks
 REPLICAS = ("s1", "s2", "s3")
 CALM_S = 35  # after the chaos: sweeps record what was missed
 HOLDER = "soak-row-locks"  # application_name of the session that holds rows
@@ -69,13 +91,13 @@ def test_soak(tmp_path, database_url):
     target = int(os.environ.get("SOAK_TICKS", "2000"))
     seed = int(os.environ.get("SOAK_SEED", str(int(time.time()))))
     # The window starts 2 s after the chaos and ends 1 s before its end.
-    seconds = max(30, math.ceil(target / len(NAMES)) + 4)
+    per_second = sum(1 / every for every in EVERY.values())
+    seconds = max(30, math.ceil(target / per_second) + 4)
     rng = random.Random(seed)
-    schedules = {name: {"interval": "1s"} for name in NAMES}
     fleet = Fleet(
         tmp_path,
         database_url,
-        schedules,
+        SCHEDULES,
         settings={"holder_timeout": 6, "misfire_grace": 5, "shutdown_grace": 5},
         job_files=["soak.py"],
     )
@@ -121,6 +143,8 @@ def test_soak(tmp_path, database_url):
     report["running_row_not_found"] = rows.not_found
     report["row_lock_errors"] = rows.errors[:20]
     report["lock_sessions_lost"] = _sessions_lost(fleet)
+    report["locks_given_back"] = _log_lines(fleet, "gave back lock(s) of")
+    report["stray_locks_released"] = _log_lines(fleet, "stray lock(s) released")
     report["exit_codes"] = codes
     print(_summary(report))
     print(json.dumps(report, indent=2, default=str))
@@ -132,6 +156,7 @@ def test_soak(tmp_path, database_url):
     assert report["ticks"] >= target, report["ticks"]
     assert report["duplicates"] == 0, report["duplicate_detail"]
     assert report["unexplained_gaps"] == 0, report["unexplained"]
+    assert report["stray_locks_released"] == 0, report["stray_locks_released"]
     assert report["deadlocks"]["pg_stat_database"] == 0, report["deadlocks"]
     logged = report["deadlocks"]["server_log"]["lines"]
     assert logged in (0, None), report["deadlocks"]
@@ -176,6 +201,20 @@ def _restart(fleet: Fleet, name: str, clock_offset: str | None = None) -> None:
     fleet.start(name, clock_offset=clock_offset)
 
 
+def _logs(fleet: Fleet) -> list[str]:
+    """Every line each replica logged, across its restarts."""
+    lines = []
+    for replica in fleet.replicas.values():
+        earlier = Path(f"{replica.log_path}.earlier")
+        text = (earlier.read_text(errors="replace") if earlier.exists() else "") + replica.log()
+        lines += text.splitlines()
+    return lines
+
+
+def _log_lines(fleet: Fleet, words: str) -> int:
+    return sum(words in line for line in _logs(fleet))
+
+
 def _sessions_lost(fleet: Fleet) -> dict[str, int]:
     """Lock sessions the replicas logged as lost, by reason.
 
@@ -183,13 +222,10 @@ def _sessions_lost(fleet: Fleet) -> dict[str, int]:
     another session should not (its wait is not a lost session).
     """
     reasons: Counter[str] = Counter()
-    for replica in fleet.replicas.values():
-        earlier = Path(f"{replica.log_path}.earlier")
-        text = (earlier.read_text(errors="replace") if earlier.exists() else "") + replica.log()
-        for line in text.splitlines():
-            _, found, reason = line.partition("lock session lost: ")
-            if found:
-                reasons[reason.split("; lock_lost set on", 1)[0].strip()] += 1
+    for line in _logs(fleet):
+        _, found, reason = line.partition("lock session lost: ")
+        if found:
+            reasons[reason.split("; lock_lost set on", 1)[0].strip()] += 1
     return dict(reasons.most_common())
 
 
@@ -225,8 +261,13 @@ class RowLocks:
                 try:
                     if conn is None or conn.closed:
                         conn = psycopg.connect(self.database_url, application_name=HOLDER)
-                    if self.rng.random() < 1 / 3:
+                    choice = self.rng.random()
+                    if choice < 0.25:
                         self._hold_running(conn)
+                    elif choice < 0.45:
+                        self._hold_attempt(conn)
+                    elif choice < 0.55:
+                        self._hold_next_ticks(conn)
                     else:
                         self._hold_jobs(conn)
                 except psycopg.Error as exc:
@@ -258,6 +299,49 @@ class RowLocks:
             self.faults["row_locks"] += 1
             self.timeline.append((at, "row_locks", f"scheduler_jobs {held} {seconds:.1f}s"))
             self.stopping.wait(seconds)
+        conn.rollback()
+
+    def _hold_attempt(self, conn: psycopg.Connection) -> None:
+        """A pending retry's attempt row, inserted and not committed, for 2-5 s: the retry
+        look that copies that attempt waits on it, then fails (its lock given back)."""
+        conn.execute("SET LOCAL lock_timeout = '200ms'")
+        pending = conn.execute(
+            "SELECT job_key, scheduled_at, attempt FROM scheduler_ticks"
+            " WHERE status = 'failed' AND retry_at IS NOT NULL ORDER BY retry_at LIMIT 1"
+        ).fetchone()
+        if pending is None:
+            conn.rollback()
+            return
+        inserted = conn.execute(
+            "INSERT INTO scheduler_attempts (job_key, scheduled_at, attempt, status)"
+            " VALUES (%s, %s, %s, 'failed') ON CONFLICT DO NOTHING",
+            pending,
+        ).rowcount
+        if inserted:
+            seconds = self.rng.uniform(2, 5)
+            at = datetime.now(UTC).isoformat()
+            tick = pending[1].astimezone(UTC).isoformat()
+            self.faults["attempt_row"] += 1
+            self.timeline.append((at, "attempt_row", f"{pending[0]} {tick} {seconds:.1f}s"))
+            self.stopping.wait(seconds)
+        conn.rollback()
+
+    def _hold_next_ticks(self, conn: psycopg.Connection) -> None:
+        """Rows of `catching`'s ticks 2-4 s ahead, inserted and not committed, for 1-4 s:
+        their claims wait on them, then fail (and are tried again, or caught up)."""
+        conn.execute("SET LOCAL lock_timeout = '200ms'")
+        now = datetime.now(UTC).replace(microsecond=0)
+        ticks = [now + timedelta(seconds=n) for n in (2, 3, 4)]
+        for tick in ticks:
+            conn.execute(
+                "INSERT INTO scheduler_ticks (job_key, scheduled_at, job_name, status)"
+                " VALUES (531, %s, 'catching', 'missed') ON CONFLICT DO NOTHING",
+                (tick,),
+            )
+        seconds = self.rng.uniform(1, 4)
+        self.faults["next_tick_rows"] += 1
+        self.timeline.append((now.isoformat(), "next_tick_rows", f"catching {seconds:.1f}s"))
+        self.stopping.wait(seconds)
         conn.rollback()
 
     def _hold_running(self, conn: psycopg.Connection) -> None:
@@ -414,7 +498,11 @@ def _show(conn: psycopg.Connection, query: str) -> object:
 def _report(fleet: Fleet, start: datetime, end: datetime) -> dict[str, Any]:
     window = whole_seconds(start, end)
     first, last = window[0], window[-1]
-    started = Counter((e["job"], parse_tick(e["tick"])) for e in fleet.starts())
+    attempts = Counter(
+        (e["job"], parse_tick(e["tick"]), e.get("attempt", 1)) for e in fleet.starts()
+    )
+    started = Counter((job, tick) for job, tick, _ in attempts.elements())
+    twice = {(job, tick) for (job, tick, _), n in attempts.items() if n > 1}
     ledger = {
         (r["job_name"], r["scheduled_at"]): r
         for r in fleet.ledger()
@@ -426,14 +514,21 @@ def _report(fleet: Fleet, start: datetime, end: datetime) -> dict[str, Any]:
     unexplained: list[tuple[str, str, str]] = []
     disagree: list[tuple[str, str, str]] = []
     cut_short: list[tuple[str, ...]] = []
+    pending: list[tuple[str, str]] = []
+    ticks = 0
     for job in NAMES:
         for tick in window:
+            if int(tick.timestamp()) % EVERY[job]:
+                continue
+            ticks += 1
             runs = started[(job, tick)]
             row = ledger.get((job, tick))
             status = row["status"] if row else None
-            if runs > 1:
+            if row is not None and row.get("retry_at") is not None:
+                pending.append((job, tick.isoformat()))
+            if (job, tick) in twice or (runs > 1 and job != "retrying"):
                 duplicates.append((job, tick.isoformat(), runs))
-            elif runs == 1:
+            elif runs >= 1:
                 outcome["ran_once"] += 1
                 if status in CUT_SHORT:
                     outcome[f"{status}_after_start"] += 1
@@ -456,7 +551,8 @@ def _report(fleet: Fleet, start: datetime, end: datetime) -> dict[str, Any]:
                 unexplained.append((job, tick.isoformat(), status or "no row"))
     return {
         "window": [start.isoformat(), end.isoformat()],
-        "ticks": len(window) * len(NAMES),
+        "ticks": ticks,
+        "retries_left_pending": pending[:20],
         "ran_once": outcome["ran_once"],
         "duplicates": len(duplicates),
         "duplicate_detail": duplicates[:20],
@@ -473,7 +569,7 @@ def _report(fleet: Fleet, start: datetime, end: datetime) -> dict[str, Any]:
         "ledger_statuses": dict(statuses),
         "ran_but_ledger_says": disagree[:20],
         "ran_but_ledger_says_count": len(disagree),
-        "unexplained_gaps": len(unexplained),
+        "unexplained_gaps": len(unexplained) + len(pending),
         "unexplained_by_status": dict(Counter(u[2] for u in unexplained)),
         "unexplained": unexplained[:20],
     }
@@ -504,6 +600,8 @@ def _summary(report: dict[str, Any]) -> str:
             f"  deadlocks: pg_stat_database {report['deadlocks']['pg_stat_database']},"
             f" server log {logged}",
             f"  lock sessions lost: {report['lock_sessions_lost']}",
+            f"  locks given back after a failed claim: {report['locks_given_back']},"
+            f" stray locks released by the heartbeat: {report['stray_locks_released']}",
             f"  exit codes: {report['exit_codes']}",
             "",
         ]

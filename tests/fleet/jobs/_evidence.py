@@ -68,7 +68,7 @@ def exclusive(ctx: RunContext, seconds: float, until_stopping: bool = True) -> N
     """Run for `seconds`, recording whether another live run of the job was going meanwhile."""
     marker = os.path.join(os.path.dirname(EVIDENCE), ctx.job_name + ".running")
     overlap = _enter(marker)
-    record(ctx, event="start", overlap=overlap)
+    record(ctx, event="start", overlap=overlap, attempt=ctx.attempt)
     deadline = time.monotonic() + seconds
     lost_at = None
     while time.monotonic() < deadline:

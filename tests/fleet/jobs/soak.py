@@ -1,4 +1,5 @@
-"""Jobs of test_soak.py: six instant jobs and two whose runs last 0 to 1.5 s."""
+"""Jobs of test_soak.py: six instant jobs, two whose runs last 0 to 1.5 s, one whose first
+attempt of a tick fails half the time (it has retries), and one that catches up."""
 
 import random
 
@@ -45,3 +46,15 @@ def wobbly_a(ctx: RunContext) -> None:
 @job(key=521)
 def wobbly_b(ctx: RunContext) -> None:
     exclusive(ctx, random.uniform(0, 1.5), until_stopping=False)
+
+
+@job(key=530)
+def retrying(ctx: RunContext) -> None:
+    exclusive(ctx, 0.001)
+    if ctx.attempt == 1 and random.random() < 0.5:
+        raise RuntimeError("the first attempt fails")
+
+
+@job(key=531)
+def catching(ctx: RunContext) -> None:
+    exclusive(ctx, 0.001)
