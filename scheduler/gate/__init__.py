@@ -442,6 +442,11 @@ class Gate:
             with self._mutex:
                 if self._runs.get(run.job.key) is run:
                     del self._runs[run.job.key]
+            if run.job.retries:
+                # A look for retries leaves out the jobs running here, and so forgets when
+                # their retries fall due: one that fell due while this run went on (its
+                # next tick, say) is taken now, not at the next heartbeat.
+                self.retries.due_in(0)
 
     def _take_requests(self) -> None:
         """Run-now requests for jobs of this replica: each becomes a manual tick here."""

@@ -231,3 +231,50 @@ def test_history_shows_a_retried_ticks_attempts_under_it(run, tmp_path):
     code, out, _ = run("history", "sync", "--json")
     (row,) = json.loads(out)
     assert row["attempt"] == 2 and [a["attempt"] for a in row["attempts"]] == [1]
+
+
+def test_a_retry_due_while_the_jobs_next_tick_runs_is_taken_when_that_run_ends(tmp_path):
+    """A look for retries leaves out the jobs running here; once the run ends, the retry
+    that fell due meanwhile is taken at once, not at the next heartbeat."""
+    from sqlalchemy import update
+
+    from scheduler import ledger
+    from scheduler.backends.embedded import EmbeddedBackend
+
+    release = threading.Event()
+    attempts: list[tuple[datetime, int]] = []
+
+    def flaky(ctx):
+        attempts.append((ctx.scheduled_at, ctx.attempt))
+        if len(attempts) == 1:
+            raise RuntimeError("the first attempt fails")
+        if len(attempts) == 2:
+            release.wait(10)  # the next tick's run, going on while the retry falls due
+
+    work = replace(make_job(33, flaky), retries=1, retry_delay=timedelta(seconds=60))
+    other = make_job(34, lambda: None, name="other")
+    backend = EmbeddedBackend(tmp_path / "s.db", instance="u1", namespace=77)
+    backend.migrate()
+    seen, clock = Recorder(), FakeMonotonic()
+    gate = Gate(backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen],
+                monotonic=clock, desk=JobsHere(work, other))  # fmt: skip
+    try:
+        first = now_tick(-2)
+        gate.submit(work, first)
+        wait_for(lambda: gate.step() or seen.of(events.RunFinished), 10, "the first attempt")
+        gate.submit(work, now_tick(-1))
+        wait_for(lambda: gate.step() or len(attempts) == 2, 10, "the next tick's run")
+        with backend.ledger_engine.begin() as conn:  # the retry falls due meanwhile
+            conn.execute(
+                update(ledger.ticks)
+                .where(ledger.ticks.c.job_key == 33, ledger.ticks.c.scheduled_at == first)
+                .values(retry_at=datetime.now(UTC) - timedelta(seconds=1))
+            )
+        gate.retries.due_in(0)
+        gate.step()  # the look leaves the running job out
+        release.set()
+        wait_for(lambda: gate.step() or len(attempts) == 3, 10, "the retry")
+        assert attempts[2] == (first, 2)
+    finally:
+        release.set()
+        backend.close()
