@@ -199,8 +199,9 @@ class Page:
                         " (does their config.yaml have the job?)"
                     )
                 namespace = self.settings.namespace
+                asked_at = self.backend.now_expression()  # the clock run_now.look reads
                 request = run_now.ask(
-                    conn, job.key, job.name, by=actor, now=now, namespace=namespace
+                    conn, job.key, job.name, by=actor, now=asked_at, namespace=namespace
                 )
                 return f"{base}?done=run&asked={request}"
         except ConfigError:
@@ -216,17 +217,14 @@ class Page:
         return any(r.instance in live and r.until is None for r in found)
 
     def _request_state(self, request: int) -> dict[str, Any] | None:
-        """A run-now request as the job page tells it; one nobody took within the
-        patience of `scheduler trigger` is withdrawn, as that command would."""
+        """A run-now request as the job page tells it: what `scheduler trigger` would say
+        (scheduler.run_now.look), which settles or withdraws it as that command would."""
         with self.backend.ledger_engine.begin() as conn:
-            state = run_now.state(conn, request)
-            if state is None or state["taken_by"] is not None:
-                return state
-            waited = (self.clock() - state["requested_at"]).total_seconds()
-            patience = run_now.patience(self.settings.holder_timeout)
-            if waited > patience and run_now.withdraw(conn, request):
-                return {**state, "withdrawn": waited}
-            return state
+            now = self.backend.now(conn)
+            answer = run_now.look(
+                conn, request, now=now, holder_timeout=self.settings.holder_timeout
+            )
+        return answer.as_page()
 
     # the login
 
