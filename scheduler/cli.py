@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from scheduler.run_now import Answer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+EXIT_PIPE = 128 + 13  # SIGPIPE
 MAX_PREVIEW = 1000  # ticks `jobs --next` lists per job, at most
 
 
@@ -44,7 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"scheduler {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", parents=[common], help="run the daemon")
-    run.add_argument("--http-port", type=int, help="serve /healthz, /readyz, /metrics")
+    run.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the page, its API, /healthz, /readyz and /metrics on this port",
+    )
     commands.add_parser(
         "check", parents=[common], help="validate config, jobs and keys (and the database)"
     )
@@ -74,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument(
         "--limit",
         type=_positive,
-        help="how many ticks, newest first (default 50; with --since or --until, all)",
+        help="how many lines, newest first, a retried tick's earlier attempts counted"
+        " (--json: how many ticks, each with its attempts); default 50, with --since or"
+        " --until all",
     )
     history.add_argument(
         "--since", metavar="AGE|ISO-8601", help="ticks scheduled since: 12h, 30m, 2d or an instant"
@@ -118,24 +125,46 @@ def _positive(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`scheduler check | head -1`)
+        return _reader_gone()
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit:  # --help, a usage error: printed; a closed pipe is seen here
+        sys.stdout.flush()
+        raise
     try:
         code = _dispatch(args)
+        sys.stdout.flush()
     except ConfigError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        code = _reader_gone()
     if args.command in ("run", "trigger"):
         # Job code ran in this process and may have left threads of its own (not daemon
         # threads), which the interpreter would wait for. Every lock is released by now.
         from scheduler.logs import stop_logging
 
         stop_logging()
-        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _reader_gone() -> int:
+    """What was not read goes nowhere, quietly; the exit status of a tool that SIGPIPE ends,
+    as a shell reports it (the daemon ignores SIGPIPE: its sockets must not end it)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -423,6 +452,8 @@ def _history(
         shown.append(_history_line(row, tz))
         for earlier in reversed(row["attempts"]):
             shown.append(_history_line({**row, **earlier, "retry_at": None}, tz))
+    if wanted.limit is not None:  # lines: what one reads (the JSON has ticks)
+        shown = shown[: wanted.limit]
     columns = ["scheduled_at", "job", "status", "attempt", "instance", "started_at", "duration"]
     table(shown, [*columns, "holder", "note", "run_id", "told", "error"])
     return EXIT_OK
