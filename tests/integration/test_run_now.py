@@ -10,9 +10,12 @@ from sqlalchemy.exc import OperationalError
 
 from scheduler import ledger, run_now
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent
+from scheduler.catalog import Catalog
+from scheduler.config import Settings
+from scheduler.housekeeping import Housekeeping
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 from tests.integration.test_gate_protocol import die
-from tests.support import FakeMonotonic, wait_for
+from tests.support import FakeMonotonic, make_job, wait_for
 
 KEY = 91
 
@@ -246,3 +249,20 @@ def test_the_wait_ends_when_the_ledger_does_not_answer():
     assert answer.line().startswith("job: outcome unknown: the ledger: ")
     assert "connection refused" in answer.line()
     assert run_now.patience(30) < clock.now - 1000.0 <= run_now.patience(30) + 1
+
+
+def test_housekeeping_records_the_crash_and_settles_the_request_in_one_pass(backends):
+    """The taker died mid-run and no command is waiting: the sweep of another replica."""
+    a, b = backends("a"), backends("b", connect=False)
+    request = taken(a)
+    run = manual(a)
+    die(a)
+    keeper = Housekeeping(
+        b, Catalog((make_job(KEY, lambda ctx: None, name="job"),)), Settings(instance_name="b")
+    )
+    done = keeper.run_once()
+    assert (done["crashed"], done["requests"]) == (1, 1)
+    with b.ledger_engine.connect() as conn:
+        row = run_now.state(conn, request)
+    assert (row["outcome"], row["status"], row["run_id"]) == ("run", "crashed", run.run_id)
+    assert row["error"] == CRASHED_FOUND_BY_SWEEP
