@@ -143,39 +143,41 @@ class Answer:
     def line(self) -> str:
         """What the command prints (one line; what names and jobs said is escaped)."""
         job, where = printable(self.job), printable(self.taken_by or "a replica")
-        error = f": {printable(self.error)}" if self.error else ""
         if self.phase is Phase.SETTLED:
-            if self.outcome == "run":
-                return f"{job}: run {self.run_id} {self.status} on {where}{error}"
-            if self.outcome == "held":
-                return f"{job}: not run: {printable(self.error or 'its lock is held elsewhere')}"
-            return f"{job}: not run on {where}{error or ': ' + str(self.outcome)}"
-        if self.phase is Phase.WITHDRAWN:
-            return (
-                f"{job}: not run: no live replica took it within {self.waited:.0f} s"
-                " (does their config.yaml have the job?)"
-            )
-        if self.phase is Phase.GONE:
-            return f"{job}: request {self.request} is not in the ledger (pruned, or withdrawn)"
-        if self.phase is Phase.UNKNOWN and self.error:
-            return f"{job}: outcome unknown: {printable(self.error)}; see `scheduler history {job}`"
-        if self.phase is Phase.UNKNOWN and self.run_id is not None:
-            return (
-                f"{job}: outcome unknown: run {self.run_id} on {where} is recorded running, but"
-                " nobody holds the job's lock and no replica has recorded how it ended;"
-                f" see `scheduler history {job}`"
-            )
+            return f"{job}: {self._outcome(where)}"
         if self.phase is Phase.UNKNOWN:
-            at = self.taken_at.isoformat(timespec="milliseconds") if self.taken_at else "?"
+            return f"{job}: outcome unknown: {self._unknown(where)}; see `scheduler history {job}`"
+        said = {
+            Phase.WITHDRAWN: f"not run: no live replica took it within {self.waited:.0f} s"
+            " (does their config.yaml have the job?)",
+            Phase.GONE: f"request {self.request} is not in the ledger (pruned, or withdrawn)",
+            Phase.RUNNING: f"run {self.run_id} running on {where}",
+            Phase.TAKEN: f"taken by {where}",
+            Phase.WAITING: "waiting for a replica to take it",
+        }
+        return f"{job}: {said[self.phase]}"
+
+    def _outcome(self, where: str) -> str:
+        error = f": {printable(self.error)}" if self.error else ""
+        if self.outcome == "run":
+            return f"run {self.run_id} {self.status} on {where}{error}"
+        if self.outcome == "held":  # the error says where the job runs (`held_by`)
+            return f"not run: {printable(self.error or 'its lock is held elsewhere')}"
+        return f"not run on {where}{error or ': ' + str(self.outcome)}"
+
+    def _unknown(self, where: str) -> str:
+        if self.error:  # the ledger did not answer
+            return printable(self.error)
+        if self.run_id is not None:
             return (
-                f"{job}: outcome unknown: {where} took the request at {at}, and the ledger"
-                f" does not tell which run, if any, it became; see `scheduler history {job}`"
+                f"run {self.run_id} on {where} is recorded running, but nobody holds the job's"
+                " lock and no replica has recorded how it ended"
             )
-        if self.phase is Phase.RUNNING:
-            return f"{job}: run {self.run_id} running on {where}"
-        if self.phase is Phase.TAKEN:
-            return f"{job}: taken by {where}"
-        return f"{job}: waiting for a replica to take it"
+        at = self.taken_at.isoformat(timespec="milliseconds") if self.taken_at else "?"
+        return (
+            f"{where} took the request at {at}, and the ledger does not tell which run,"
+            " if any, it became"
+        )
 
 
 def look(
@@ -254,7 +256,7 @@ def wait(
     failing_since: float | None = None
     while True:
         try:
-            last = _look_now(backend, request, holder_timeout)
+            last = replace(_look_now(backend, request, holder_timeout), job=job)
         except SQLAlchemyError as exc:
             failing_since = monotonic() if failing_since is None else failing_since
             if monotonic() - failing_since > patience(holder_timeout):
