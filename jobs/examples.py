@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from scheduler import RunContext, job
+from scheduler import Interrupted, RunContext, job
 
 
 @job(key=1001)
@@ -19,9 +19,9 @@ async def report(ctx: RunContext) -> None:
 
 @job(key=1003)
 def slow_cleanup(ctx: RunContext) -> None:
-    """Takes longer than its interval now and then: the next tick is skipped, not overlapped."""
+    """Takes longer than its interval now and then: the next tick is skipped, not overlapped.
+    Told to stop, it stops between two steps, and says so: its run is `interrupted`."""
     for _ in range(30):
         if ctx.lock_lost.is_set() or ctx.stopping.is_set():
-            ctx.log.warning("stopping early")
-            return
+            raise Interrupted("the rest waits for the next run")
         time.sleep(0.5)

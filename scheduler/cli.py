@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, tzinfo
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler import __version__, parsing
 from scheduler.backends import Backend
@@ -26,7 +26,11 @@ from scheduler.statuses import Status
 from scheduler.tables import duration, instant, table
 from scheduler.text import printable
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD = 0, 1, 2, 3
+if TYPE_CHECKING:
+    from scheduler.run_now import Answer
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD, EXIT_UNKNOWN = 0, 1, 2, 3, 4
+EXIT_PIPE = 128 + 13  # SIGPIPE
 MAX_PREVIEW = 1000  # ticks `jobs --next` lists per job, at most
 MAX_HISTORY = 1_000_000  # ticks `history --limit` lists, at most
 
@@ -42,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"scheduler {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", parents=[common], help="run the daemon")
-    run.add_argument("--http-port", type=int, help="serve /healthz, /readyz, /metrics")
+    run.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the page, its API, /healthz, /readyz and /metrics on this port",
+    )
     commands.add_parser(
         "check", parents=[common], help="validate config, jobs and keys (and the database)"
     )
@@ -72,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument(
         "--limit",
         metavar="N",
-        help="how many ticks, newest first (default 50; with --since or --until, all)",
+        help="how many lines, newest first, a retried tick's earlier attempts counted"
+        " (--json: how many ticks, each with its attempts); default 50, with --since or"
+        " --until all",
     )
     history.add_argument(
         "--since", metavar="AGE|ISO-8601", help="ticks scheduled since: 12h, 30m, 2d or an instant"
@@ -106,24 +116,46 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`scheduler check | head -1`)
+        return _reader_gone()
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit:  # --help, a usage error: printed; a closed pipe is seen here
+        sys.stdout.flush()
+        raise
     try:
         code = _dispatch(args)
+        sys.stdout.flush()
     except ConfigError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        code = _reader_gone()
     if args.command in ("run", "trigger"):
         # Job code ran in this process and may have left threads of its own (not daemon
         # threads), which the interpreter would wait for. Every lock is released by now.
         from scheduler.logs import stop_logging
 
         stop_logging()
-        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _reader_gone() -> int:
+    """What was not read goes nowhere, quietly; the exit status of a tool that SIGPIPE ends,
+    as a shell reports it (the daemon ignores SIGPIPE: its sockets must not end it)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -366,6 +398,8 @@ def _history(
         shown.append(_history_line(row, tz))
         for earlier in reversed(row["attempts"]):
             shown.append(_history_line({**row, **earlier, "retry_at": None}, tz))
+    if wanted.limit is not None:  # lines: what one reads (the JSON has ticks)
+        shown = shown[: wanted.limit]
     columns = ["scheduled_at", "job", "status", "attempt", "instance", "started_at", "duration"]
     table(shown, [*columns, "holder", "note", "run_id", "told", "error"])
     return EXIT_OK
@@ -388,7 +422,7 @@ def _history_line(row: dict[str, Any], tz: tzinfo) -> dict[str, Any]:
 
 
 def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
-    """Hand the run to a live replica (scheduler.run_now) and wait for its outcome."""
+    """Hand the run to a live replica (scheduler.run_now) and wait for what became of it."""
     import time
 
     from scheduler import pauses, run_now
@@ -396,64 +430,46 @@ def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
     job = _named(catalog, name)
     settings = config.settings
     backend = _ledger_backend(config)
-    engine = backend.ledger_engine
     if not _live(backend):
         print(f"{name}: not run: no live replica (start one, or run it here with --here)")
         return EXIT_HELD
-    with engine.begin() as conn:
+    with backend.ledger_engine.begin() as conn:
         request = run_now.ask(
-            conn, job.key, job.name, by=pauses.default_actor(), now=datetime.now(UTC),
+            conn, job.key, job.name, by=pauses.default_actor(), now=backend.now_expression(),
             namespace=settings.namespace,
         )  # fmt: skip
-    patience = run_now.patience(settings.holder_timeout)
-    asked, looked, taker = time.monotonic(), time.monotonic(), None
     try:
-        while True:
-            with engine.connect() as conn:
-                row = run_now.state(conn, request)
-            if row is None or row["finished_at"] is not None:
-                break
-            taker = row["taken_by"]
-            if taker is None and time.monotonic() - asked > patience:
-                with engine.begin() as conn:
-                    if run_now.withdraw(conn, request):
-                        print(
-                            f"{name}: not run: no live replica took it within {patience:g} s"
-                            " (does their config.yaml have the job?)"
-                        )
-                        return EXIT_HELD
-            if taker is not None and time.monotonic() - looked > 5:
-                looked = time.monotonic()
-                if taker not in _live(backend):
-                    print(
-                        f"{name}: {printable(taker)} took it and is gone; see `scheduler history`"
-                    )
-                    return EXIT_FAILED
-            time.sleep(0.2)
+        answer = run_now.wait(
+            backend,
+            request,
+            job=job.name,
+            holder_timeout=settings.holder_timeout,
+            monotonic=time.monotonic,
+            sleep=time.sleep,
+        )
     except KeyboardInterrupt:
-        with engine.begin() as conn:
+        with backend.ledger_engine.begin() as conn:
             if run_now.withdraw(conn, request):
                 print(f"{name}: not run: the request was withdrawn")
             else:
-                print(
-                    f"{name}: goes on on {printable(taker or 'a replica')}; see `scheduler history`"
-                )
+                print(f"{name}: goes on on a replica; see `scheduler history {name}`")
         raise
-    if row is None:
-        print(f"{name}: not run: the request disappeared (pruned?)")
-        return EXIT_FAILED
-    where = printable(row["taken_by"])
-    if row["outcome"] == "held":
-        print(f"{name}: not run: its lock is held elsewhere ({printable(row['error'])})")
+    print(answer.line())
+    return _trigger_code(answer)
+
+
+def _trigger_code(answer: Answer) -> int:
+    """0 ran and succeeded, 1 ran and did not, 3 not run (held, nobody took it),
+    4 unknown (taken, and the ledger does not say what became of it)."""
+    from scheduler.run_now import Phase
+
+    if answer.phase is Phase.WITHDRAWN or answer.outcome == "held":
         return EXIT_HELD
-    if row["outcome"] != "run":
-        print(f"{name}: not run on {where}: {printable(row['error'] or row['outcome'])}")
-        return EXIT_FAILED
-    print(
-        f"{name}: run {row['run_id']} {row['status']} on {where}"
-        + (f": {printable(row['error'])}" if row["error"] else "")
-    )
-    return EXIT_OK if row["status"] == Status.SUCCEEDED else EXIT_FAILED
+    if answer.phase is not Phase.SETTLED:
+        return EXIT_UNKNOWN
+    if answer.outcome == "run" and answer.status == Status.SUCCEEDED:
+        return EXIT_OK
+    return EXIT_FAILED
 
 
 def _live(backend: Backend) -> set[str]:

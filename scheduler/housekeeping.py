@@ -176,6 +176,9 @@ class Housekeeping:
                 done["drift"] = len(raised)
         if raised and self.notices is not None:  # committed: deliver them now
             self.notices.schedule(raised)
+        if sweep is not None:  # run-now requests whose taker never said how the run ended
+            with engine.begin() as conn:
+                done["requests"] = ledger.settle_ended_requests(conn, sweep[1])
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart,
         # which moves its own watermark, so a sweep cut short here loses no window.

@@ -24,15 +24,18 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
 
 from scheduler.catalog import Catalog, CatalogJob, build_catalog, schedule_text
-from scheduler.config import MAX_CONFIG_BYTES, Config, Settings, load_config
+from scheduler.config import MAX_CONFIG_BYTES, Config, JobConfig, Settings, load_config
 from scheduler.errors import ConfigError
 from scheduler.gate import Backoff
 from scheduler.registry import build_registry
+from scheduler.schedules import format_duration
+from scheduler.urls import redact_http_url
 
 # Settings a reload applies: they only shape the jobs' schedules and thresholds.
 APPLIED_ON_RELOAD = frozenset({"timezone", "skip_alert_after", "fail_alert_after", "misfire_grace"})
@@ -52,12 +55,22 @@ class Reloaded:
     restart_needed: tuple[str, ...]  # settings that changed but apply at the next restart
 
     def changes(self, before: Catalog) -> list[str]:
-        """What the reload changes for the jobs: "name: old -> new", for the log."""
+        """What the reload changes for the jobs, one line per job, for the log: the schedule
+        and thresholds ("old -> new"), then every other field that changed. A job that
+        differs in any way is never said unchanged."""
         out = []
         for job in self.catalog:
             old = before.by_key(job.key)
-            if old is not None and _shape(old) != _shape(job):
-                out.append(f"{job.name}: {_said(old)} -> {_said(job)}")
+            if old is None or old == job:
+                continue
+            said = [f"{_said(old)} -> {_said(job)}"] if _shape(old) != _shape(job) else []
+            theirs, mine = _fields(old), _fields(job)
+            said += [
+                f"{name} {_value(name, theirs[name])} -> {_value(name, mine[name])}"
+                for name in mine
+                if theirs[name] != mine[name]
+            ]
+            out.append(f"{job.name}: {'; '.join(said) or 'changed'}")
         return out
 
 
@@ -191,6 +204,32 @@ def _shape(job: CatalogJob) -> tuple[object, ...]:
         job.misfire_grace,
         job.timezone,
     )
+
+
+# What `_said` tells of a job; `_fields` is every other field of its entry in config.yaml.
+SAID_BY_SHAPE = frozenset(
+    {"cron", "interval", "start", "spread", "enabled", "timezone"}
+    | {"skip_alert_after", "fail_alert_after", "misfire_grace"}
+)
+UNSET = {name: field.default for name, field in JobConfig.model_fields.items()}
+
+
+def _fields(job: CatalogJob) -> dict[str, object]:
+    entry = job.schedule.model_dump() if job.schedule is not None else dict(UNSET)
+    entry.update(retries=job.retries, retry_delay=job.retry_delay)  # with their defaults
+    entry.update(retry_delay_max=job.retry_delay_max)
+    return {name: value for name, value in entry.items() if name not in SAID_BY_SHAPE}
+
+
+def _value(name: str, value: object) -> str:
+    """A field's value for the log; a URL by its scheme and host (its path is a secret)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, timedelta):
+        return format_duration(value)
+    if name.endswith("_url"):
+        return redact_http_url(str(value))
+    return str(value)
 
 
 def _said(job: CatalogJob) -> str:

@@ -31,17 +31,34 @@ def execute(spec: JobSpec, ctx: RunContext) -> tuple[Status, str | None]:
     return Status.SUCCEEDED, None
 
 
+CANCEL_AGAIN_EVERY = 1.0  # seconds between cancellations of a coroutine past its timeout
+
+
 async def _await(awaitable: Awaitable[object], ctx: RunContext) -> None:
-    """Await the job; cancel it once the run has timed out (ctx.timed_out)."""
+    """Await the job; once the run has timed out (ctx.timed_out), cancel it, and cancel it
+    again every second until it ends: a coroutine may catch CancelledError and go on, and
+    it holds the job's lock until it ends."""
     task = asyncio.ensure_future(awaitable)
     while not task.done():
         await asyncio.wait({task}, timeout=0.1)
         if ctx.timed_out.is_set() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _cancel(task, ctx)
             return
     task.result()
+
+
+async def _cancel(task: asyncio.Future[object], ctx: RunContext) -> None:
+    said = False
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_AGAIN_EVERY)
+        if not task.done() and not said:
+            ctx.log.warning(
+                "cancelled after its timeout, it goes on: cancelling it again every second"
+            )
+            said = True
+    with contextlib.suppress(asyncio.CancelledError):  # what else it raised is told
+        task.result()
 
 
 def describe(exc: BaseException) -> str:

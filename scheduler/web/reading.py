@@ -185,17 +185,17 @@ class Reading:
         return Reply(200, self.static[name], STATIC[name], cache)
 
     def _request_state(self, job: CatalogJob, request: int, now: datetime) -> dict[str, Any]:
-        """A run-now request of this job as the page tells it; of another job, or gone
-        (withdrawn by its asker, pruned), it is not found."""
+        """A run-now request of this job as `scheduler trigger` would tell it (read only:
+        settling it is for the command, the page's own withdrawal, and housekeeping); of
+        another job, or gone (withdrawn, pruned), it is not found."""
         with self.backend.ledger_engine.connect() as conn:
-            state = run_now.state(conn, request)
-        if state is None or state["job_key"] != job.key:
+            answer = run_now.look(
+                conn, request, now=now, holder_timeout=self.settings.holder_timeout, record=False
+            )
+        shown = answer.as_page()
+        if shown is None or answer.key != job.key:
             return {"id": request, "missing": True}
-        waited = (now - state["requested_at"]).total_seconds()
-        patience = run_now.patience(self.settings.holder_timeout)
-        if state["taken_by"] is None and waited > patience:
-            return {**state, "unanswered": waited}
-        return state
+        return shown
 
     def named(self, quoted: str) -> CatalogJob | None:
         return self.catalog().by_name(unquote(quoted)) if "/" not in quoted else None

@@ -186,8 +186,9 @@ class Page:
                         " (does their config.yaml have the job?)"
                     )
                 namespace = self.settings.namespace
+                asked_at = self.backend.now_expression()  # the clock run_now.look reads
                 request = run_now.ask(
-                    conn, job.key, job.name, by=actor, now=now, namespace=namespace
+                    conn, job.key, job.name, by=actor, now=asked_at, namespace=namespace
                 )
         except ConfigError:
             raise

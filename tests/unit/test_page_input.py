@@ -58,7 +58,7 @@ def test_a_get_never_withdraws_a_run_now_request_of_its_job_or_another(project):
     assert other.status == 200 and "not found for this job" in other.body.decode()
     own = ask(page, "GET", f"/jobs/report?asked={theirs}")
     assert own.status == 200
-    assert "nobody took it within" in own.body.decode()
+    assert "no live replica took it within" in own.body.decode()
     assert dump(page) == before  # both requests' rows are still there, untouched
 
 

@@ -84,6 +84,37 @@ def test_reread_gives_the_new_schedules_and_names_what_needs_a_restart(project):
 
 
 @pytest.mark.parametrize(
+    ("added", "said"),
+    [
+        ("ping_url: https://hc-ping.com/5f3c-secret", "ping_url unset -> https://hc-ping.com/…"),
+        ("timeout: 5m", "timeout unset -> 5m"),
+        ("retries: 2", "retries 0 -> 2"),
+        ("catch_up: all", "catch_up off -> all"),
+        ("retries: 2\n    retry_delay: 30s", "retries 0 -> 2; retry_delay 10s -> 30s"),
+    ],
+)
+def test_a_reload_that_changes_any_field_of_a_job_says_which(project, added, said):
+    config = load_config(str(project / "config.yaml"))
+    catalog = load_catalog(config)
+    edit(project, "interval: 2s", f"interval: 2s\n    {added}")
+    assert reread(config, catalog).changes(catalog) == [f"sync: {said}"]
+
+
+def test_a_job_that_differs_in_any_way_is_never_said_unchanged(project):
+    """The guard: a field the description does not know of is still said."""
+    from dataclasses import replace
+
+    config = load_config(str(project / "config.yaml"))
+    catalog = load_catalog(config)
+    reloaded = reread(config, catalog)
+    sync = catalog.by_name("sync")
+    odd = replace(sync, spec=replace(sync.spec, source="elsewhere"))
+    moved = replace(reloaded, catalog=Catalog([odd, catalog.by_name("report")]))
+    assert moved.changes(catalog) == ["sync: changed"]
+    assert reloaded.changes(catalog) == []
+
+
+@pytest.mark.parametrize(
     ("old", "new", "expect"),
     [
         ("interval: 2s", "interval: soon", "jobs.sync.interval"),

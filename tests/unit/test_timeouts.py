@@ -4,7 +4,9 @@ failed when it returns, one job.timed_out notice (embedded backend, real timers 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -69,6 +71,27 @@ def test_a_coroutine_job_is_cancelled(gate):
     finished = ran(gate, seen, with_timeout(302, slow))
     assert cancelled.is_set() and finished.duration_s < 20
     assert (finished.status, finished.error) == ("failed", "timed out after 1s")
+
+
+def test_a_coroutine_that_swallows_its_cancellation_is_cancelled_again_until_it_ends(gate, caplog):
+    """It keeps the job's lock while it goes on: cancelled again every second, said once."""
+    gate, seen, _ = gate
+    swallowed = []
+
+    async def stubborn(ctx) -> None:
+        while len(swallowed) < 3:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                swallowed.append(time.monotonic())
+
+    with caplog.at_level(logging.WARNING):
+        finished = ran(gate, seen, with_timeout(305, stubborn))
+    assert len(swallowed) == 3 and finished.duration_s < 8
+    assert 0.5 < swallowed[1] - swallowed[0] < 3
+    assert (finished.status, finished.error) == ("failed", "timed out after 1s")
+    said = [r.getMessage() for r in caplog.records if "cancelling it again" in r.getMessage()]
+    assert said == ["cancelled after its timeout, it goes on: cancelling it again every second"]
 
 
 def test_a_run_within_its_timeout_is_untouched(gate):
