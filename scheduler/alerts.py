@@ -52,6 +52,12 @@ LEVELS = {
 }
 
 
+def slack_text(text: str) -> str:
+    """Text as Slack's message format reads it literally: a job's error or a pause reason
+    that says `<!channel>` is shown, not obeyed (no mention, no link)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 @dataclass(frozen=True)
 class Notice:
     """One row of the outbox."""
@@ -149,7 +155,10 @@ class Notice:
         return f"{self.job}: {self.event}"
 
     def body(self) -> dict[str, Any]:
-        """The webhook's JSON (Slack-compatible through `text`); `notice_id` tells repeats."""
+        """The webhook's JSON (Slack-compatible through `text`); `notice_id` tells repeats.
+
+        Only `text` is escaped for Slack: the other fields are data, as they were said.
+        """
         return {
             "event": self.event,
             "job": self.job,
@@ -158,7 +167,7 @@ class Notice:
             "scheduled_at": self.scheduled_at.isoformat() if self.scheduled_at else None,
             "raised_by": self.raised_by,
             "notice_id": self.id,
-            "text": self.text(),
+            "text": slack_text(self.text()),
         }
 
     def log_line(self) -> str:

@@ -1,55 +1,65 @@
 """Health, metrics and the page over HTTP. Off unless http_port is set.
 
-Observes the daemon; never steers it. Whatever clients do, the endpoint holds
-a bounded number of threads and file descriptors, so the lock session and the
-ledger never run short of them: at most `MAX_CONNECTIONS` connections are
-served at once (fewer under a low RLIMIT_NOFILE), each on its own thread; one
-beyond that is answered 503 by the accepting thread and closed at once; and a
-request must arrive whole within `REQUEST_TIMEOUT` seconds, however slowly it
-trickles in, or its connection is dropped; a POST body is read under the same
-deadline and refused beyond `MAX_BODY` bytes. One request per connection
-(HTTP/1.0), so an idle keep-alive client holds nothing.
+Observes the daemon; never steers it. Whatever clients send, the endpoint
+holds bounded memory, threads and file descriptors, and the probes answer:
 
-A route is an exact path, or a prefix ending in `/*` (`/jobs/*`) that
-answers every path under it; the page's routes are in `scheduler.web`.
+- One thread runs an asyncio loop that does all of the endpoint's network
+  I/O. It reads each request under the budgets of `scheduler.budgets`
+  before anything parses it (`read_request`): the head within
+  `REQUEST_HEAD_BYTES` and `REQUEST_HEAD_LINES`, a POST body within
+  `REQUEST_BODY_BYTES`, all of it within `REQUEST_TIMEOUT` however slowly it
+  trickles in (else the connection is dropped unanswered); each reply is
+  given `REPLY_TIMEOUT` to be taken. A client that sends nothing holds a
+  socket, never a thread.
+- The probes (`PROBES`: /healthz, /readyz, /metrics) are answered on that
+  loop at once. The page and the API run on a pool of `ROUTE_WORKERS`
+  threads; a request that finds them all busy is answered 503 at once.
+- At most `OPEN_CONNECTIONS` connections are held (fewer under a low
+  RLIMIT_NOFILE); a new one beyond that closes the oldest that is not being
+  answered, so idle or slow clients never keep a probe out.
+
+One request per connection (HTTP/1.0). A route is an exact path, or a
+prefix ending in `/*` (`/jobs/*`) that answers every path under it; the
+page's routes are in `scheduler.web`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
-import io
 import logging
+import re
 import resource
 import socket
-import socketserver
 import threading
-import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
+from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from scheduler.budgets import (
+    FD_SHARE,
+    LINGER_BYTES,
+    LINGER_TIMEOUT,
+    OPEN_CONNECTIONS,
+    PROBES,
+    REPLY_TIMEOUT,
+    REQUEST_BODY_BYTES,
+    REQUEST_HEAD_BYTES,
+    REQUEST_HEAD_LINES,
+    REQUEST_TIMEOUT,
+    ROUTE_WORKERS,
+)
 from scheduler.errors import ConfigError
 
 log = logging.getLogger("scheduler.http")
 
-MAX_CONNECTIONS = 32
-REQUEST_TIMEOUT = 5.0
-MAX_BODY = 16 * 1024  # bytes of a POST body: the page's forms send a few dozen
-# The share of the process's descriptor limit the endpoint may use at most.
-FD_SHARE = 16
-
-BUSY = (
-    b"HTTP/1.0 503 Service Unavailable\r\n"
-    b"Content-Type: text/plain; charset=utf-8\r\n"
-    b"Content-Length: 5\r\n"
-    b"Retry-After: 1\r\n"
-    b"Connection: close\r\n"
-    b"\r\n"
-    b"busy\n"
-)
+MAX_BODY = REQUEST_BODY_BYTES  # the name the page's tests know it by
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or a header's name (RFC 9110)
+_VERSION = re.compile(r"HTTP/1\.[0-9]")
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,20 @@ class Reply:
 
 Route = Callable[[Request], Reply]
 
+BUSY = Reply(503, b"busy\n", headers=(("Retry-After", "1"),))
+
+
+class Refused(Exception):
+    """A request answered with a 4xx before any route sees it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.reply = Reply(status, message.encode() + b"\n")
+
+
+class Gone(Exception):
+    """The client closed its end before its request was whole."""
+
 
 class HealthServer:
     """`live()`: the scheduler loop runs. `ready()`: jobs loaded, lock session up.
@@ -88,7 +112,7 @@ class HealthServer:
         live: Callable[[], bool],
         ready: Callable[[], bool],
         metrics: Callable[[], bytes],
-        max_connections: int = MAX_CONNECTIONS,
+        workers: int = ROUTE_WORKERS,
         request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         self.routes: dict[tuple[str, str], Route] = {
@@ -96,15 +120,16 @@ class HealthServer:
             ("GET", "/readyz"): lambda _: _check(ready()),
             ("GET", "/metrics"): lambda _: Reply(200, metrics(), CONTENT_TYPE_LATEST),
         }
-        self.server = _Server(
-            _address(host, port),
-            _handler(self.routes, request_timeout),
-            connection_cap(max_connections, _descriptor_limit()),
-            host=host,
-            port=port,
-        )
-        self.port: int = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
+        self.request_timeout = request_timeout
+        self.cap = connection_cap(OPEN_CONNECTIONS, _descriptor_limit())
+        self.workers = max(1, min(workers, self.cap // 2))  # so a connection can always be freed
+        self.listener = _listen(host, port)
+        self.port: int = self.listener.getsockname()[1]
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="http-route")
+        self._busy = 0  # route workers in use; like everything below, touched by the loop only
+        self._open: dict[asyncio.StreamWriter, bool] = {}  # oldest first: True if evictable
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="http", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -113,8 +138,182 @@ class HealthServer:
 
     def stop(self) -> None:
         if self._thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        else:
+            self.listener.close()
+            self._loop.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop's thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            server = loop.run_until_complete(
+                asyncio.start_server(
+                    self._connection, sock=self.listener, limit=REQUEST_HEAD_BYTES, backlog=128
+                )
+            )
+            loop.run_forever()
+            server.close()
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        finally:
+            loop.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= self.cap and not self._evict_one():
+            writer.transport.abort()
+            return
+        self._open[writer] = True
+        try:
+            await self._exchange(reader, writer)
+        except (OSError, Gone, TimeoutError, asyncio.IncompleteReadError):
+            pass  # a client that went away, or was too slow: dropped, not news
+        except Exception:
+            log.debug("HTTP connection failed", exc_info=True)
+        finally:
+            self._open.pop(writer, None)
+            if not writer.transport.is_closing():
+                writer.transport.abort()  # dropped, evicted or timed out: nothing more is sent
+
+    def _evict_one(self) -> bool:
+        """Close the oldest connection not being answered by a route (a slow or idle one)."""
+        oldest = next((w for w, evictable in self._open.items() if evictable), None)
+        if oldest is None:
+            return False
+        del self._open[oldest]
+        oldest.transport.abort()
+        return True
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            peer = writer.get_extra_info("peername")
+            client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            async with asyncio.timeout(self.request_timeout):
+                request, route = await read_request(reader, self.routes, client)
+        except Refused as refused:
+            await _write(writer, refused.reply)
+            await _linger(reader, writer)
+            writer.close()
+            return
+        if route is None:
+            reply = _not_routed(self.routes, request)
+        elif request.path in PROBES:
+            reply = _answer(route, request)
+        elif self._busy >= self.workers:
+            reply = BUSY
+        else:
+            reply = await self._on_worker(writer, route, request)
+        await _write(writer, reply)
+        writer.close()
+
+    async def _on_worker(
+        self, writer: asyncio.StreamWriter, route: Route, request: Request
+    ) -> Reply:
+        self._busy += 1
+        if writer in self._open:
+            self._open[writer] = False
+        try:
+            return await self._loop.run_in_executor(self._pool, _answer, route, request)
+        finally:
+            self._busy -= 1
+            if writer in self._open:
+                self._open[writer] = True
+
+
+# -- reading a request: the one guarded reader of the endpoint's input ------------------
+
+
+async def read_request(
+    reader: asyncio.StreamReader, routes: Mapping[tuple[str, str], Route], client: str = ""
+) -> tuple[Request, Route | None]:
+    """The request within the budgets, and its route (the body is read only for a route)."""
+    lines = await _read_head(reader)
+    method, target = _request_line(lines[0])
+    headers = _headers(lines[1:])
+    path, _, query = target.partition("?")
+    route = find_route(routes, method, path)
+    body = b""
+    if route is not None and method == "POST":
+        length = _content_length(headers)
+        body = await reader.readexactly(length)
+    return Request(method, path, query, headers, body, client), route
+
+
+async def _read_head(reader: asyncio.StreamReader) -> list[bytes]:
+    """The request line and header lines, never more than the head's budgets."""
+    lines: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            line = await reader.readline()
+        except ValueError:  # one line beyond the whole head's budget
+            raise _too_large() from None
+        if not line.endswith(b"\n"):
+            raise Gone()
+        size += len(line)
+        if size > REQUEST_HEAD_BYTES or len(lines) >= REQUEST_HEAD_LINES:
+            raise _too_large()
+        line = line.rstrip(b"\r\n")
+        if line:
+            lines.append(line)
+        elif lines:
+            return lines
+
+
+def _too_large() -> Refused:
+    return Refused(
+        431,
+        f"request head too large: at most {REQUEST_HEAD_BYTES} bytes"
+        f" and {REQUEST_HEAD_LINES} lines",
+    )
+
+
+def _request_line(line: bytes) -> tuple[str, str]:
+    parts = line.decode("latin-1").split(" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _VERSION.fullmatch(parts[2]):
+        raise Refused(400, "malformed request line")
+    method, target, _ = parts
+    if not target.startswith("/"):
+        raise Refused(400, "the request's target must be a path")
+    if method not in ("GET", "POST"):
+        raise Refused(501, "only GET and POST are served")
+    return method, target
+
+
+def _headers(lines: list[bytes]) -> dict[str, str]:
+    """Names in lower case; the last of repeated names wins, except Content-Length."""
+    headers: dict[str, str] = {}
+    for raw in lines:
+        line = raw.decode("latin-1")
+        name, colon, value = line.partition(":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise Refused(400, "malformed header line")
+        name, value = name.lower(), value.strip(" \t")
+        if name == "content-length" and headers.get(name, value) != value:
+            raise Refused(400, "conflicting Content-Length headers")
+        headers[name] = value
+    return headers
+
+
+def _content_length(headers: Mapping[str, str]) -> int:
+    if "transfer-encoding" in headers:
+        raise Refused(411, "a Content-Length is needed")
+    value = headers.get("content-length", "0")
+    if not (value.isascii() and value.isdigit()):
+        raise Refused(400, "Content-Length must be a number of bytes")
+    digits = value.lstrip("0") or "0"  # never int() of thousands of digits
+    if len(digits) > len(str(REQUEST_BODY_BYTES)) or int(digits) > REQUEST_BODY_BYTES:
+        raise Refused(413, f"at most {REQUEST_BODY_BYTES} bytes")
+    return int(digits)
+
+
+# -- answering --------------------------------------------------------------------------
 
 
 def find_route(routes: Mapping[tuple[str, str], Route], method: str, path: str) -> Route | None:
@@ -130,24 +329,101 @@ def find_route(routes: Mapping[tuple[str, str], Route], method: str, path: str) 
     return max(under, key=lambda found: found[0])[1] if under else None
 
 
-def _allowed(routes: Mapping[tuple[str, str], Route], path: str) -> list[str]:
-    return sorted({m for m in ("GET", "POST") if find_route(routes, m, path) is not None})
+def _not_routed(routes: Mapping[tuple[str, str], Route], request: Request) -> Reply:
+    allowed = sorted({m for m in ("GET", "POST") if find_route(routes, m, request.path)})
+    if allowed:
+        return Reply(405, b"method not allowed\n", headers=(("Allow", ", ".join(allowed)),))
+    return Reply(404, b"not found\n")
+
+
+def _answer(route: Route, request: Request) -> Reply:
+    try:
+        return route(request)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return Reply(500, b"internal error\n")
 
 
 def _check(ok: bool) -> Reply:
     return Reply(200, b"ok\n") if ok else Reply(503, b"unavailable\n")
 
 
+def encode(reply: Reply) -> bytes:
+    """The reply's bytes; a header that cannot be sent as it is makes it a 500."""
+    try:
+        phrase = HTTPStatus(reply.status).phrase
+    except ValueError:
+        phrase = ""
+    head = [
+        f"HTTP/1.0 {reply.status} {phrase}",
+        "Server: scheduler",
+        f"Content-Type: {reply.content_type}",
+        f"Content-Length: {len(reply.body)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in reply.headers),
+    ]
+    if any("\r" in line or "\n" in line for line in head):
+        return _unsendable(reply, "a line break")
+    text = "\r\n".join(head) + "\r\n\r\n"
+    try:
+        return text.encode("latin-1") + reply.body
+    except UnicodeEncodeError:
+        return _unsendable(reply, "a character outside latin-1")
+
+
+def _unsendable(reply: Reply, what: str) -> bytes:
+    names = ", ".join(name for name, _ in reply.headers)
+    log.error("a %d reply's headers (%s) hold %s: answered 500 instead", reply.status, names, what)
+    return encode(Reply(500, b"internal error\n"))
+
+
+async def _write(writer: asyncio.StreamWriter, reply: Reply) -> None:
+    """The whole reply handed to the kernel within its timeout (or the connection dropped)."""
+    writer.transport.set_write_buffer_limits(high=0)  # drain() waits for every byte
+    writer.write(encode(reply))
+    async with asyncio.timeout(REPLY_TIMEOUT):
+        await writer.drain()
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After refusing a request not read whole: say we are done, and read a little of what
+    the client is still sending, so the refusal reaches it rather than a reset."""
+    if not writer.can_write_eof():
+        return
+    writer.write_eof()
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(LINGER_TIMEOUT):
+            dropped = 0
+            while dropped < LINGER_BYTES and (data := await reader.read(LINGER_BYTES)):
+                dropped += len(data)
+
+
+# -- listening ----------------------------------------------------------------------------
+
+
 def connection_cap(requested: int, descriptor_limit: int | None) -> int:
     """At most `requested` connections, and never more than a small share of the fd limit."""
     if descriptor_limit is None:
-        return max(1, requested)
-    return max(1, min(requested, descriptor_limit // FD_SHARE))
+        return max(2, requested)
+    return max(2, min(requested, descriptor_limit // FD_SHARE))
 
 
 def _descriptor_limit() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family, address = _address(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise _bind_error(exc, host, port) from None
+    return sock
 
 
 def _address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[object, ...]]:
@@ -174,163 +450,3 @@ def _bind_error(exc: OSError, host: str, port: int) -> ConfigError:
     if exc.errno == errno.EADDRNOTAVAIL:
         return ConfigError(f"http_host {host!r}: not an address of this host")
     return ConfigError(f"{where}: cannot listen ({exc.strerror or exc})")
-
-
-class _Server(socketserver.TCPServer):
-    """A thread per connection up to the cap; beyond it, 503 from the accepting thread."""
-
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(
-        self,
-        address: tuple[socket.AddressFamily, tuple[object, ...]],
-        handler: type[BaseHTTPRequestHandler],
-        cap: int,
-        *,
-        host: str,
-        port: int,
-    ) -> None:
-        self.address_family, bind_to = address
-        self.slots = threading.BoundedSemaphore(cap)
-        super().__init__(bind_to, handler, bind_and_activate=False)
-        try:
-            self.server_bind()
-            self.server_activate()
-        except OSError as exc:
-            self.server_close()
-            raise _bind_error(exc, host, port) from None
-
-    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
-        if not self.slots.acquire(blocking=False):
-            _refuse(request)
-            return
-        try:
-            threading.Thread(
-                target=self._serve, args=(request, client_address), name="http-request", daemon=True
-            ).start()
-        except RuntimeError:  # no thread to be had: refuse rather than fail
-            self.slots.release()
-            _refuse(request)
-
-    def _serve(self, request: socket.socket, client_address: object) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self.slots.release()
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        log.debug("HTTP request from %s failed", client_address, exc_info=True)
-
-
-def _refuse(sock: socket.socket) -> None:
-    """503 and close, never waiting on the client: a new socket's send buffer is empty."""
-    try:
-        sock.setblocking(False)
-        sock.send(BUSY)
-        # Whatever already arrived is read, so closing sends FIN, not a reset that could
-        # destroy the answer before the client reads it.
-        with contextlib.suppress(OSError):
-            sock.recv(65536)
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-    finally:
-        sock.close()
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's input under one deadline for the whole request, however slowly it arrives."""
-
-    def __init__(self, sock: socket.socket, deadline: float, clock: Callable[[], float]) -> None:
-        self.sock = sock
-        self.deadline = deadline
-        self.clock = clock
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        left = self.deadline - self.clock()
-        if left <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
-
-
-def _handler(
-    routes: dict[tuple[str, str], Route],
-    timeout: float,
-    clock: Callable[[], float] = time.monotonic,
-) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "scheduler"
-        sys_version = ""
-
-        def setup(self) -> None:
-            self.timeout = timeout
-            super().setup()
-            self.rfile.close()
-            deadline = clock() + timeout
-            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline, clock))
-
-        def do_GET(self) -> None:
-            self._dispatch("GET")
-
-        def do_POST(self) -> None:
-            self._dispatch("POST")
-
-        def _dispatch(self, method: str) -> None:
-            path, _, query = self.path.partition("?")
-            route = find_route(routes, method, path)
-            if route is None:
-                allowed = _allowed(routes, path)
-                if allowed:
-                    self._send(Reply(405, b"method not allowed\n"), {"Allow": ", ".join(allowed)})
-                else:
-                    self._send(Reply(404, b"not found\n"))
-                return
-            body = self._body() if method == "POST" else b""
-            if body is None:
-                return
-            headers = {name.lower(): value for name, value in self.headers.items()}
-            try:
-                reply = route(Request(method, path, query, headers, body, self.client_address[0]))
-            except Exception:
-                log.exception("%s %s failed", method, path)
-                reply = Reply(500, b"internal error\n")
-            self._send(reply)
-
-        def _body(self) -> bytes | None:
-            """The POST body, read under the request's deadline; None once refused."""
-            length = self.headers.get("Content-Length", "0").strip()
-            if not length.isdigit():
-                self._send(Reply(411, b"a Content-Length is needed\n"))
-                return None
-            if int(length) > MAX_BODY:
-                self._send(Reply(413, f"at most {MAX_BODY} bytes\n".encode()))
-                return None
-            body = self.rfile.read(int(length))
-            if len(body) < int(length):
-                return None  # the client went away mid-body
-            return body
-
-        def _send(self, reply: Reply, headers: dict[str, str] | None = None) -> None:
-            self.connection.settimeout(timeout)  # the reply gets a timeout of its own
-            self.send_response(reply.status)
-            self.send_header("Content-Type", reply.content_type)
-            self.send_header("Content-Length", str(len(reply.body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            for name, value in reply.headers:
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(reply.body)
-
-        def log_message(self, *args: object) -> None:
-            pass  # probes every few seconds, and dropped slow clients, are not news
-
-    return Handler

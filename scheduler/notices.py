@@ -9,6 +9,12 @@ next adopts it (`adopt`). A failed POST is tried again with backoff (1 s
 doubling to 60 s, for up to 15 minutes after the notice was raised), each
 retry also recorded in the outbox, so retries survive the replica too.
 
+A notice is logged and counted by this module's thread as soon as it is read
+from the outbox, never after a delivery: the POSTs go out from a `Courier`'s
+threads, several at once, each attempt within its deadline
+(`scheduler.budgets`). A receiver that drips its answer costs one failed
+attempt, which counts towards giving up, and holds up no other notice.
+
 Delivery is at least once: a replica that dies between the POST and marking
 it delivered leaves it to be sent again; the body's `notice_id` tells a
 receiver it has seen it. An observer: nothing here steers the gate.
@@ -16,6 +22,7 @@ receiver it has seen it. An observer: nothing here steers the gate.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import logging
@@ -29,15 +36,15 @@ from sqlalchemy import Connection, Engine
 
 from scheduler import alerts, events, ledger
 from scheduler.alerts import Notice
+from scheduler.budgets import ATTEMPT_DEADLINE, NOTICE_ATTEMPTS_AT_ONCE, NOTICES_QUEUED
 from scheduler.errors import one_line
-from scheduler.posting import post, redact_url
+from scheduler.posting import Courier, redact_url
 from scheduler.schedules import format_duration
 
 log = logging.getLogger("scheduler.alerts")
 
 FIRST_RETRY, MAX_RETRY = 1.0, 60.0  # seconds between attempts, doubling
 GIVE_UP_AFTER = timedelta(minutes=15)  # after the notice was raised
-POST_TIMEOUT = 5.0
 
 
 class Notices(events.Observer):
@@ -53,6 +60,7 @@ class Notices(events.Observer):
         on_delivery: Callable[[str, bool], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         monotonic: Callable[[], float] = time.monotonic,
+        deadline_s: float = ATTEMPT_DEADLINE,
     ) -> None:
         self.engine = engine
         self.instance = instance
@@ -63,6 +71,14 @@ class Notices(events.Observer):
         self.clock = clock
         self.monotonic = monotonic
         self._due: list[tuple[float, int]] = []  # (monotonic, notice id)
+        self._sending: set[int] = set()  # notices with an attempt queued or in flight
+        self.courier = Courier(
+            "notices-post",
+            workers=NOTICE_ATTEMPTS_AT_ONCE,
+            per_receiver=NOTICE_ATTEMPTS_AT_ONCE,
+            max_queued=NOTICES_QUEUED,
+            deadline_s=deadline_s,
+        )
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -122,10 +138,13 @@ class Notices(events.Observer):
         """Give notices due now a moment to go out; the rest stay in the outbox for others."""
         deadline = self.monotonic() + timeout
         with self._cv:
-            while self._due and self._due[0][0] <= self.monotonic() < deadline:
+            while (
+                (self._due and self._due[0][0] <= self.monotonic()) or self._sending
+            ) and self.monotonic() < deadline:
                 self._cv.wait(0.05)
             self._closed = True
             self._cv.notify()
+        self.courier.close(0)
 
     # -- delivery ----------------------------------------------------------------------
 
@@ -138,7 +157,9 @@ class Notices(events.Observer):
                     return
                 ids = []
                 while self._due and self._due[0][0] <= self.monotonic():
-                    ids.append(heapq.heappop(self._due)[1])
+                    notice = heapq.heappop(self._due)[1]
+                    if notice not in self._sending:
+                        ids.append(notice)
             try:
                 self.deliver(ids)
             except Exception as exc:  # the ledger is away: the leases run out, others adopt
@@ -147,29 +168,54 @@ class Notices(events.Observer):
                 self._cv.notify_all()
 
     def deliver(self, ids: list[int]) -> None:
+        """Log each notice at once, then hand its POST to the courier."""
         with self.engine.connect() as conn:
             rows = ledger.leased_notices(conn, ids, self.instance)
         for row in rows:
-            self._deliver_one(Notice.from_row(row))
+            notice = Notice.from_row(row)
+            if notice.attempts == 0:
+                self._announce(notice)
+            if self.webhook_url is None:
+                self._done(notice, "delivered")
+            else:
+                self._send(notice, self.webhook_url)
 
-    def _deliver_one(self, notice: Notice) -> None:
-        if notice.attempts == 0:
-            log.log(
-                notice.level,
-                "%s",
-                notice.log_line(),
-                extra={"alert": notice.event, "notice_id": notice.id, **notice.body()},
-            )
-            if self.on_alert:
-                self.on_alert(notice.event, notice.job)
-        if self.webhook_url is None:
-            self._done(notice, "delivered")
-            return
-        error = post(
-            self.webhook_url, json.dumps(notice.body()).encode(), POST_TIMEOUT, "application/json"
+    def _announce(self, notice: Notice) -> None:
+        log.log(
+            notice.level,
+            "%s",
+            notice.log_line(),
+            extra={"alert": notice.event, "notice_id": notice.id, **notice.body()},
         )
-        if self.on_delivery:
-            self.on_delivery(notice.event, error is None)
+        if self.on_alert:
+            self.on_alert(notice.event, notice.job)
+
+    def _send(self, notice: Notice, url: str) -> None:
+        with self._cv:
+            self._sending.add(notice.id)
+        body = json.dumps(notice.body()).encode()
+        then = functools.partial(self._attempted, notice)
+        if not self.courier.send(url, body, "application/json", then):
+            log.warning("webhook %s: %s not sent now: too many queued", self.shown, notice.event)
+            self._sent(notice)  # it stays in the outbox: its lease runs out, a replica adopts it
+
+    def _attempted(self, notice: Notice, error: str | None) -> None:
+        """On the courier's thread, once the attempt is over: record what came of it."""
+        try:
+            if self.on_delivery:
+                self.on_delivery(notice.event, error is None)
+            self._record(notice, error)
+        except Exception as exc:  # the ledger is away: the lease runs out, others adopt
+            log.warning("cannot record a delivery of %s now: %s", notice.event, one_line(exc))
+        finally:
+            self._sent(notice)
+
+    def _sent(self, notice: Notice) -> None:
+        with self._cv:
+            self._sending.discard(notice.id)
+            self._cv.notify_all()
+
+    def _record(self, notice: Notice, error: str | None) -> None:
         if error is None:
             if notice.attempts:
                 log.info(

@@ -7,8 +7,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -521,3 +523,74 @@ def settle(gate: Any, until: Callable[[], Any], what: str) -> None:
         return until()
 
     wait_for(stepped, 10, what, every=0.02)
+
+
+class RawReceiver:
+    """A local HTTP receiver at the socket's level, for hostile answers (endless, dripping).
+
+    It reads each connection's request (head and Content-Length body), keeps it
+    with the time it arrived, then leaves the connection to
+    `answer(receiver, conn, request)`; `send` counts what it sends.
+    """
+
+    def __init__(self, answer: Callable[[RawReceiver, socket.socket, bytes], None]) -> None:
+        self.answer = answer
+        self.requests: list[tuple[float, bytes]] = []  # (time.monotonic(), request)
+        self.sent = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, path: str = "/hook", userinfo: str = "") -> str:
+        return f"http://{userinfo}127.0.0.1:{self.port}{path}"
+
+    def bodies(self) -> list[bytes]:
+        return [request.partition(b"\r\n\r\n")[2] for _, request in self.requests]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30)
+            try:
+                request = self._read(conn)
+                if request is not None:
+                    self.requests.append((time.monotonic(), request))
+                    self.answer(self, conn, request)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _read(conn: socket.socket) -> bytes | None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lengths = [
+            line.partition(b":")[2].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ]
+        length = int(lengths[0]) if lengths else 0
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            body += chunk
+        return head + b"\r\n\r\n" + body
+
+    def send(self, conn: socket.socket, data: bytes) -> None:
+        conn.sendall(data)
+        self.sent += len(data)
+
+    def close(self) -> None:
+        self.listener.close()

@@ -475,7 +475,7 @@ def test_scrub_removes_secrets_and_their_decoded_forms():
 def test_posting_never_raises(url):
     from scheduler.posting import post, redact_url
 
-    assert post(url, b"{}", timeout=2) is not None
+    assert post(url, b"{}", deadline_s=2) is not None
     shown = redact_url(url)
     assert "/x" not in shown
 
@@ -498,7 +498,7 @@ def test_posting_reports_a_server_that_hangs_up(tmp_path):
     thread = threading.Thread(target=answer_garbage)
     thread.start()
     try:
-        reason = post(f"http://127.0.0.1:{port}/secret-path", b"{}", timeout=10)
+        reason = post(f"http://127.0.0.1:{port}/secret-path", b"{}", deadline_s=10)
     finally:
         thread.join(10)
         server.close()
