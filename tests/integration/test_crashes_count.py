@@ -61,7 +61,8 @@ def test_runs_a_claim_finds_crashed_grow_the_failure_streak_and_alert_once(backe
     dying = [backends(name) for name in ("c", "d", "e")]
     claim_with(dying[0], tick(15), 2)
     die(dying[0])
-    second = claim_with(dying[1], tick(12), 2)
+    crashed_tick = tick(12)
+    second = claim_with(dying[1], crashed_tick, 2)
     assert second.crashed == 1 and second.notices == ()
     assert failure_streak(b) == 1
     die(dying[1])
@@ -71,7 +72,7 @@ def test_runs_a_claim_finds_crashed_grow_the_failure_streak_and_alert_once(backe
     (alert,) = failure_alerts(b)
     assert alert["crashed"] == 1 and alert["consecutive_failures"] == 2 and alert["threshold"] == 2
     assert len(third.notices) == 1  # the claim that raised it says so: delivered at once
-    assert rows(b)[tick(12)]["status"] == "crashed"
+    assert rows(b)[crashed_tick]["status"] == "crashed"
     finish(dying[2], third)
     assert failure_streak(b) == 0  # a success ends the streak
 
