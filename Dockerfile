@@ -1,5 +1,6 @@
 # The image a fleet deploys: one replica per container, N containers.
 FROM python:3.11-slim
+LABEL org.opencontainers.image.title="fleet-scheduler"
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -8,7 +9,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# The package first (its dependencies change rarely), then the jobs and their
+# The distribution first, from this checkout (fleet-scheduler: the package and the
+# command `scheduler`; its dependencies change rarely), then the jobs and their
 # schedules, which a deployment may replace with a mount at /app/jobs and
 # /app/config.yaml.
 COPY pyproject.toml README.md ./

@@ -3,7 +3,7 @@
 Incoming requests are read under these by `scheduler.http_server`, before
 anything parses them; outgoing POSTs (webhook notices, pings) read their
 replies under these in `scheduler.posting`. Nothing else in the scheduler
-reads from a socket. README: Network budgets.
+reads from a socket. docs/operating.md: Network budgets.
 """
 
 from __future__ import annotations

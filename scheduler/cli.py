@@ -35,29 +35,111 @@ MAX_PREVIEW = 1000  # ticks `jobs --next` lists per job, at most
 MAX_HISTORY = 1_000_000  # ticks `history --limit` lists, at most
 
 
+# What each command does and how it exits: its --help says it, and so does the command
+# line reference (docs/cli.md), which is generated from this parser.
+COMMANDS: dict[str, tuple[str, str, str]] = {  # name: help, description, exit statuses
+    "run": (
+        "run the daemon",
+        "The daemon: one replica of the fleet.",
+        "0 after a clean SIGTERM/SIGINT",
+    ),
+    "check": (
+        "validate config, jobs and keys (and the database)",
+        "Validates config, jobs and keys; with a database, also the schema and lock namespace,"
+        " connectivity, server version, primary, privileges, pooling mode and clock offset.",
+        "0 valid, 2 invalid",
+    ),
+    "jobs": (
+        "list every job and its next tick (or its next N ticks)",
+        "Every job (or only JOB): name, key, schedule, time zone, next tick, source. With"
+        " --next N: each job's next N ticks after --after (default now), in the job's time"
+        ' zone with its offset; in JSON each job gains "next_ticks" ([] when unscheduled'
+        " or disabled).",
+        "0; 2 for an unknown JOB or a bad value",
+    ),
+    "status": (
+        "the fleet now",
+        "The fleet now: live instances, which instance runs which job and since when, each"
+        " job's last result, consecutive skips and failures, alerting, whether it is paused"
+        " (by whom, since when, why), whether the live replicas agree on its schedule, next"
+        " tick. Text shows every time in one zone (UTC, or --tz).",
+        "0",
+    ),
+    "history": (
+        "recent ticks",
+        "Ticks, newest first: the last 50 lines, or with --since/--until every tick"
+        " scheduled in that range, only the given statuses, only those one replica recorded."
+        " Text shows times to the millisecond in UTC (or --tz), rounded durations, and"
+        " ATTEMPT, HOLDER and NOTE (manual, caught up, when the next attempt is due)"
+        " columns; a retried tick's earlier attempts follow its row.",
+        "0; 2 for an unknown JOB, status, zone or a bad time",
+    ),
+    "trigger": (
+        "run one tick of a job now, on a live replica",
+        "Runs one tick of JOB now, through the same gate (a job without a schedule, or"
+        " disabled, too), on a live replica that runs the job, and prints its outcome and"
+        " where it ran.",
+        "0 ran and succeeded; 1 ran and failed (or was interrupted, or crashed); 3 not run:"
+        " its lock is held (the job is already running), no live replica, or none took it;"
+        " 4 outcome unknown: look at `scheduler history JOB` before asking again",
+    ),
+    "pause": (
+        "pause a job for the whole fleet (persisted)",
+        "Pauses JOB for the whole fleet until `resume`, persisted in the ledger: each of its"
+        " ticks is recorded `paused`; a run already going is not interrupted.",
+        "0 (also when it was paused already: the first pause stays); 2 for an unknown JOB or"
+        " a reason over 500 characters",
+    ),
+    "resume": (
+        "resume a paused job",
+        "Ends the pause: the job's next tick runs.",
+        "0 (also when it was not paused); 2 for an unknown JOB",
+    ),
+}
+EXITS_ALWAYS = (
+    "Every command exits 2 on a configuration or usage error (one line naming the file, job,"
+    " field and value), 130 when interrupted (Ctrl-C), and 141 when the reader of its output"
+    " went away (`scheduler check | head -1`), as any tool a closed pipe ends."
+)
+
+
+def _command(commands: Any, common: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    summary, description, exits = COMMANDS[name]
+    command: argparse.ArgumentParser = commands.add_parser(
+        name,
+        parents=[common],
+        help=summary,
+        description=description,
+        epilog=f"exit status: {exits}",
+    )
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", help="path of config.yaml (default ./config.yaml)")
-    common.add_argument("--jobs", help="folder of job modules (default: jobs/ beside the config)")
+    common.add_argument(
+        "--jobs",
+        dest="jobs_path",
+        metavar="JOBS",
+        help="folder of job modules (default: jobs/ beside the config)",
+    )
     parser = argparse.ArgumentParser(
         prog="scheduler",
         description="A fleet scheduler: every tick of every job runs on exactly one replica.",
+        epilog=EXITS_ALWAYS,
     )
     parser.add_argument("--version", action="version", version=f"scheduler {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run", parents=[common], help="run the daemon")
+    run = _command(commands, common, "run")
     run.add_argument(
         "--http-port",
         type=int,
         help="serve the page, its API, /healthz, /readyz and /metrics on this port",
     )
-    commands.add_parser(
-        "check", parents=[common], help="validate config, jobs and keys (and the database)"
-    )
-    jobs = commands.add_parser(
-        "jobs", parents=[common], help="list every job and its next tick (or its next N ticks)"
-    )
-    jobs.add_argument("job", nargs="?", help="only this job")
+    _command(commands, common, "check")
+    jobs = _command(commands, common, "jobs")
+    jobs.add_argument("job", metavar="JOB", nargs="?", help="only this job")
     jobs.add_argument(
         "--next",
         metavar="N",
@@ -69,14 +151,14 @@ def _parser() -> argparse.ArgumentParser:
         help="count ticks from this instant instead of now, e.g. 2026-10-25T01:30:00+01:00; "
         "without an offset it is read in the `timezone` setting",
     )
-    jobs.add_argument("--json", action="store_true")
-    status = commands.add_parser("status", parents=[common], help="the fleet now")
+    jobs.add_argument("--json", action="store_true", help="print JSON")
+    status = _command(commands, common, "status")
     status.add_argument(
         "--tz", metavar="ZONE", default="UTC", help="show times in this zone (default UTC)"
     )
-    status.add_argument("--json", action="store_true")
-    history = commands.add_parser("history", parents=[common], help="recent ticks")
-    history.add_argument("job", nargs="?", help="only this job")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    history = _command(commands, common, "history")
+    history.add_argument("job", metavar="JOB", nargs="?", help="only this job")
     history.add_argument(
         "--limit",
         metavar="N",
@@ -85,7 +167,9 @@ def _parser() -> argparse.ArgumentParser:
         " --until all",
     )
     history.add_argument(
-        "--since", metavar="AGE|ISO-8601", help="ticks scheduled since: 12h, 30m, 2d or an instant"
+        "--since",
+        metavar="AGE|ISO-8601",
+        help="ticks scheduled since: 12h, 30m, 2d or an instant (without an offset, read in --tz)",
     )
     history.add_argument("--until", metavar="ISO-8601", help="ticks scheduled until an instant")
     history.add_argument(
@@ -95,22 +179,18 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument(
         "--tz", metavar="ZONE", default="UTC", help="show times in this zone (default UTC)"
     )
-    history.add_argument("--json", action="store_true")
-    trigger = commands.add_parser(
-        "trigger", parents=[common], help="run one tick of a job now, on a live replica"
-    )
-    trigger.add_argument("job")
+    history.add_argument("--json", action="store_true", help="print JSON")
+    trigger = _command(commands, common, "trigger")
+    trigger.add_argument("job", metavar="JOB", help="the job")
     trigger.add_argument(
         "--here", action="store_true", help="run it in this process instead (through the gate)"
     )
-    pause = commands.add_parser(
-        "pause", parents=[common], help="pause a job for the whole fleet (persisted)"
-    )
-    pause.add_argument("job")
+    pause = _command(commands, common, "pause")
+    pause.add_argument("job", metavar="JOB", help="the job")
     pause.add_argument("--reason", help="why, kept with the pause and shown by `status`")
     pause.add_argument("--by", help="who pauses it (default: user@host)")
-    resume = commands.add_parser("resume", parents=[common], help="resume a paused job")
-    resume.add_argument("job")
+    resume = _command(commands, common, "resume")
+    resume.add_argument("job", metavar="JOB", help="the job")
     resume.add_argument("--by", help="who resumes it (default: user@host)")
     return parser
 
@@ -159,7 +239,7 @@ def _reader_gone() -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    flags: dict[str, Any] = {"jobs_path": args.jobs}
+    flags: dict[str, Any] = {"jobs_path": args.jobs_path}
     if args.command == "run":
         flags["http_port"] = args.http_port
     config = load_config(args.config, **flags)

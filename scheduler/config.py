@@ -241,8 +241,17 @@ class JobConfig(BaseModel):
         return self
 
 
+def _shown_default(text: str) -> dict[str, Any]:
+    """How the settings reference shows a default the code computes (docs/hooks.py)."""
+    return {"default_shown": text}
+
+
 class Settings(BaseSettings):
-    """Everything a replica is configured with (see the settings table in README.md)."""
+    """Everything a replica is configured with.
+
+    Each field's description is its row in the settings reference (docs/configuration.md),
+    generated from this model.
+    """
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -252,54 +261,137 @@ class Settings(BaseSettings):
     # The `scheduler:` section of config.yaml: the source below the environment.
     yaml_section: ClassVar[dict[str, Any]] = {}
 
-    database_url: SecretStr | None = None
-    config: Path = Path("config.yaml")
-    jobs_path: Path | None = None
-    instance_name: str = Field(default_factory=default_instance_name)
-    timezone: str = "UTC"
-    skip_alert_after: Threshold = 3
-    fail_alert_after: Threshold = 3
-    alert_webhook_url: SecretStr | None = None
+    database_url: SecretStr | None = Field(
+        None,
+        description="`postgresql://…` for a fleet; unset: the embedded mode (SQLite file"
+        " `scheduler.db` beside config.yaml, and file locks; one host only)",
+    )
+    config: Path = Field(Path("config.yaml"), description="path of config.yaml")
+    jobs_path: Path | None = Field(
+        None,
+        description="folder of job modules",
+        json_schema_extra=_shown_default("`jobs/` beside the config"),
+    )
+    instance_name: str = Field(
+        default_factory=default_instance_name,
+        description="this replica's name: 1 to 63 characters, letters, digits, `.`, `_`, `-`"
+        " (other characters of the host name become `-`); also its PostgreSQL"
+        " `application_name` (over any `application_name` in the URL) and, in embedded mode,"
+        " its presence file's name",
+        json_schema_extra=_shown_default("`<hostname>-<pid>`"),
+    )
+    timezone: str = Field("UTC", description="default zone for cron schedules")
+    skip_alert_after: Threshold = Field(
+        3, description="consecutive skipped ticks of a job before an alert (1 to 1,000,000)"
+    )
+    fail_alert_after: Threshold = Field(
+        3, description="consecutive failed runs of a job before an alert (1 to 1,000,000)"
+    )
+    alert_webhook_url: SecretStr | None = Field(
+        None,
+        description="where alerts are POSTed (optional; treated as a secret); a"
+        " `user:password@` in it is sent as HTTP Basic auth",
+    )
     holder_timeout: Annotated[
         float, _ranged(2, 3600, "must be a number of seconds between 2 and 3600")
-    ] = 30.0
+    ] = Field(
+        30.0,
+        description="seconds; the longest a frozen or cut-off replica keeps a job's lock"
+        " (2 to 3600)",
+    )
     # None: DEFAULT_LOCK_NAMESPACE for the schema `public`, else derived from the schema's
     # name, so fleets in separate schemas never meet on a lock (see `namespace`).
-    lock_namespace: Annotated[int, _whole(-(2**31), 2**31 - 1)] | None = None
+    lock_namespace: Annotated[int, _whole(-(2**31), 2**31 - 1)] | None = Field(
+        None,
+        description="first integer of every advisory lock key",
+        json_schema_extra=_shown_default(
+            f"{DEFAULT_LOCK_NAMESPACE} for schema `public`, else derived from the schema"
+        ),
+    )
     schema_name: str = Field(
-        default="public", validation_alias=AliasChoices("schema", f"{ENV_PREFIX}SCHEMA")
+        default="public",
+        validation_alias=AliasChoices("schema", f"{ENV_PREFIX}SCHEMA"),
+        description="the PostgreSQL schema of this fleet's ledger (created if missing); one"
+        " per fleet on a shared database",
     )
     shutdown_grace: Annotated[
         float, _ranged(0, 86400, "must be a number of seconds between 0 and 86400")
-    ] = 30.0
-    max_workers: Annotated[int, _whole(1, 10_000)] = 10
+    ] = Field(30.0, description="seconds SIGTERM waits for running jobs (0 to 86400)")
+    max_workers: Annotated[int, _whole(1, 10_000)] = Field(
+        10,
+        description="runs one replica executes at once (threads, 1 to 10,000); ticks beyond"
+        " that wait, and another replica may take them. For many short jobs on one grid,"
+        " raise it to about (jobs due at once) / (replicas)",
+    )
     misfire_grace: Annotated[
         float,
         _ranged(
             0, 86400, "must be a number of seconds above 0 and at most 86400 (1 day)", above=True
         ),
-    ] = 30.0
-    retries: Annotated[int, _whole(0, 100)] = 0
+    ] = Field(
+        30.0,
+        description="seconds after its scheduled time a tick may still start (by the"
+        " database clock); later, it is recorded `missed` (above 0, at most 86400; a job's"
+        " `misfire_grace`: at most `1d`)",
+    )
+    retries: Annotated[int, _whole(0, 100)] = Field(
+        0,
+        description="attempts of a failed tick after the first, for every job without its"
+        " own `retries` (0 to 100)",
+    )
     retry_delay: Annotated[
         float, _ranged(1, 86400, "must be a number of seconds between 1 and 86400")
-    ] = 10.0
+    ] = Field(
+        10.0,
+        description="seconds before the first retry; doubles for each next one (1 to 86400)",
+    )
     retry_delay_max: Annotated[
         float, _ranged(1, 86400, "must be a number of seconds between 1 and 86400")
-    ] = 600.0
+    ] = Field(600.0, description="seconds: the longest delay between attempts (1 to 86400)")
     retention_days: Annotated[
         float, _ranged(0, 36500, "must be a number of days above 0 and at most 36500", above=True)
-    ] = 14.0
-    http_host: str = "0.0.0.0"
-    http_port: Annotated[int, _whole(0, 65535)] | None = None
+    ] = Field(
+        14.0,
+        description="ledger rows older than this are deleted (by one replica at a time;"
+        " above 0, at most 36500)",
+    )
+    http_host: str = Field(
+        "0.0.0.0", description="address of the page and the health and metrics endpoints"
+    )
+    http_port: Annotated[int, _whole(0, 65535)] | None = Field(
+        None,
+        description="port of the page, its API, and the health and metrics endpoints;"
+        " 0 or unset: off",
+    )
     # The page's actions (pause, resume, run now) need this token; `all`: reading too.
-    http_token: SecretStr | None = None
-    http_protect: Annotated[Literal["actions", "all"], BeforeValidator(_lowercase)] = "actions"
-    log_format: Annotated[Literal["text", "json"], BeforeValidator(_lowercase)] = "text"
+    http_token: SecretStr | None = Field(
+        None,
+        description="the token the page's pause, resume and run-now need (a secret, never"
+        " shown; at least 16 characters, e.g. `openssl rand -hex 32`); unset: those actions"
+        " are off",
+    )
+    http_protect: Annotated[Literal["actions", "all"], BeforeValidator(_lowercase)] = Field(
+        "actions",
+        description="`actions`: reading the page and `/api/*` is open, acting needs the"
+        " token; `all`: reading needs it too (`/healthz`, `/readyz` and `/metrics` stay"
+        " open); `all` needs `http_token`",
+    )
+    log_format: Annotated[Literal["text", "json"], BeforeValidator(_lowercase)] = Field(
+        "text", description="`text` or `json` (any case)"
+    )
     schedule_drift_grace: Annotated[
         float, _ranged(0, 86400, "must be a number of seconds between 0 and 86400")
-    ] = 600.0
+    ] = Field(
+        600.0,
+        description="seconds live replicas may run different schedules for a job before"
+        " `job.schedule_drift` is raised (0 to 86400)",
+    )
     # signal: config.yaml is reloaded on SIGHUP; watch: also when the file changes.
-    reload: Annotated[Literal["signal", "watch"], BeforeValidator(_lowercase)] = "signal"
+    reload: Annotated[Literal["signal", "watch"], BeforeValidator(_lowercase)] = Field(
+        "signal",
+        description="`signal`: `config.yaml` is read again on SIGHUP; `watch`: also when the"
+        " file changes",
+    )
 
     @field_validator("timezone")
     @classmethod

@@ -1,7 +1,7 @@
 """`scheduler status` and `scheduler history`: the fleet now, and what happened.
 
 Read-only views over the ledger and the backend's live locks; the JSON shapes
-are documented in README.md.
+are documented in docs/cli.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 -- The gate's two atomic steps on PostgreSQL, claim and finish: one round trip each per batch.
 --
--- The protocol is told once, in scheduler/gate/__init__.py. Each function below is one
--- named step of it; scheduler/backends/embedded.py has a method of the same name for each
--- step, so the two backends can be read side by side. The tables come from
+-- The protocol is told once, in docs/guarantees.md ("How a tick runs"). Each function
+-- below is one named step of it; scheduler/backends/embedded.py has a method of the same
+-- name for each step, so the two backends can be read side by side. The tables come from
 -- scheduler/ledger.py. Both entry points run on the replica's lock session: the advisory
 -- locks they take and release are session-level and live as long as that session.
 --

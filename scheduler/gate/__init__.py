@@ -1,73 +1,25 @@
 """The gate: every tick of every job passes here, and runs on exactly one replica.
 
-This is the whole protocol, told once; the backends implement its steps under
-the names given here (PostgreSQL: `backends/postgres.sql`; one host:
-`backends/embedded.py`).
+The protocol (fire, claim, run, finish; retries and catch-up; locks follow
+runs; the lock session) is told once, in docs/guarantees.md, "How a tick
+runs". This module is its dispatcher: one thread, which alone talks to the
+backend, does each step in order (`Gate.step`):
 
-1. APScheduler fires tick T of job J on every replica. T is the scheduled
-   time, computed identically everywhere (`scheduler.schedules`); it is the
-   tick's identity, never "now". The tick waits in the queue (`ticks.py`)
-   until the dispatcher thread, which alone talks to the backend, claims
-   every waiting tick in one round trip.
-2. Claim (`claims.py`; the backends' `scheduler_claim`):
-   - choose: a tick past its misfire grace (by the database clock, the same for
-     every replica) is recorded `missed`; a burst is shared out, each live
-     replica trying its own share first (a tick still unclaimed a moment
-     later is anyone's); a replica tries at most as many runs as it has free
-     workers (the rest are `deferred`, for later or for another replica).
-   - insert: the tick's row (J.key, T). Its primary key lets exactly one
-     replica win; the others are told `lost` and are done. This is what makes
-     a tick run once when clocks are skewed or a job finishes in a
-     millisecond: a lock alone is free again by the time a slow replica's
-     trigger fires.
-   - take locks: the winner tries J's advisory lock (lock_namespace, J.key).
-     Got it: the run starts. Held: the previous run is still going, and T is
-     recorded `skipped`, once for the fleet (`record skips`).
-   - crash stale runs: with J's lock in hand, any other `running` row of J is
-     stale (its replica died, which freed the lock): it is marked `crashed`.
-   - skip streaks: a run ends J's streak of skipped ticks, a skip grows it;
-     the streak alerts once when it reaches the threshold in force, and the
-     alert stays raised until a run keeps up again.
-   A replica never asks for a lock it holds (advisory locks stack within a
-   session): a tick of a job it is still running is claimed with intent
-   `skip`, and recorded skipped without touching the lock.
-3. The run (`runs.py`) executes on a worker thread with a `RunContext`;
-   `ctx.stopping` is set when the daemon shuts down, `ctx.lock_lost` the
-   moment this replica can no longer prove it holds the lock.
-4. Finish (`finishes.py`; the backends' `scheduler_finish`): the run's row
-   is updated only if it is still `running` with this run_id (a stale run
-   never overwrites what replaced it); the failure streak and the skip
-   overrun are settled; then the lock is released. A failed attempt of a
-   job with `retries` left is recorded `failed` with when the next is due;
-   the failure streak counts only a tick's final attempt.
-   Retries (`scheduler_claim_retries`): any replica with a free worker takes
-   a due retry like a manual run, lock first (held elsewhere: it waits, no
-   skip); the row lock and its status make each attempt one replica's. The
-   finishing replica knows when it is due; the others learn it from the
-   heartbeat, so a retry outlives the replica that scheduled it.
-   Catch-up (`catch_up: all`, driven by `scheduler.catch_up`): ticks missed
-   while the fleet was down are claimed one at a time, oldest first, lock
-   first, with the job's catch_up_window as their grace. Notices (alerts,
-   recoveries) are written in the same transaction as the state change they
-   announce (`scheduler.notices`).
-5. Locks follow runs: this session holds a job's lock only while a run of the
-   job is in flight here. Advisory locks outlive the rollback of the
-   transaction that took them, so when any call that may take locks fails
-   (a claim of any intent, a look for retries), every lock the session holds
-   with no run here is given back at once (`Gate._give_back`, the backends'
-   `release_strays`); each heartbeat checks the same invariant, and a stray
-   lock found there is released, reported and counted.
-6. The lock session (`session.py`): the server ends it if this replica goes
-   quiet for `holder_timeout` (frozen, cut off), so its locks pass to others.
-   A margin earlier, every local run's `ctx.lock_lost` is set, then the
-   session is dropped and a new one opened with backoff. Only a broken
-   connection loses the session: a statement the server cut short (a lock or
-   statement timeout, a deadlock) fails that claim or finish, which is tried
-   again, with every lock kept. No backend error ever ends the daemon.
+- make sure of the lock session (`session.py`: heartbeat, watchdog, and
+  `ctx.lock_lost` for the runs of a session in doubt);
+- record finished runs, in batches (`finishes.py`; `scheduler_finish`);
+- take run-now requests;
+- claim the queued ticks (`ticks.py` keeps them, `claims.py` sends them;
+  `scheduler_claim`), scheduled ones before manual and caught-up ones;
+- look for due retries (`retries.py`; `scheduler_claim_retries`);
+- at each heartbeat, check the lock invariant: every lock this session holds
+  with no run here is given back (`Gate._give_back`; `release_strays`), as
+  after any failed call that may have taken locks.
 
-Rows are locked in one global order in every statement (see postgres.sql),
-so claims, finishes and sweeps never deadlock. Time is passed in (`clock`,
-`monotonic`), so this logic can be driven in tests without sleeping.
+Runs execute on worker threads (`runs.py`, `scheduler.workers`). The backends
+implement the steps under the names used here (PostgreSQL:
+`backends/postgres.sql`; one host: `backends/embedded.py`). Time is passed in
+(`clock`, `monotonic`), so this logic can be driven in tests without sleeping.
 """
 
 from __future__ import annotations

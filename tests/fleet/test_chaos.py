@@ -1,4 +1,4 @@
-"""What happens when things break (README: Faults): frozen, cut-off and killed replicas,
+"""What happens when things break (docs/faults.md: Faults): frozen, cut-off and killed replicas,
 killed sessions, a database restart, and signals. No tick runs twice; a replica that lost
 its lock is told, and its late finish changes nothing; the others take over and go on; a
 stopping replica starts nothing new. Real replicas, real PostgreSQL."""

@@ -160,9 +160,11 @@ def test_compose_runs_postgres_and_three_replicas():
     assert len(names) == 3
 
 
-def test_the_compose_commands_readme_gives_name_services_that_exist():
+def test_the_compose_commands_the_docs_give_name_services_that_exist():
     services = set(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
-    commands = re.findall(r"docker compose [^`\n#]+", (ROOT / "README.md").read_text())
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
+    commands = re.findall(r"docker compose [^`\n#]+", text)
     assert len(commands) >= 3
     named = set()
     for command in commands:
@@ -174,7 +176,7 @@ def test_the_compose_commands_readme_gives_name_services_that_exist():
             continue
         assert words and set(words) <= services, command
         named.update(words)
-    assert named  # the README names some
+    assert named  # the docs name some
 
 
 def manifests() -> list[dict]:

@@ -1,4 +1,4 @@
-"""A PostgreSQL primary fails over to its standby under a running fleet (README: Failover).
+"""A PostgreSQL primary fails over to its standby under a running fleet (docs/faults.md: Failover).
 
 Each test builds its own primary and standby (tests/fleet/replication.py), starts
 three replicas with a multi-host URL, jobs every second and a long run, kills
@@ -7,7 +7,7 @@ standby. Every replica follows the primary without a restart and claims again
 within seconds; the long run is told its lock is lost; the ledger on the new
 primary explains every tick. With synchronous replication no tick runs twice;
 with asynchronous replication, the WAL held back for the last seconds, the
-ticks that ran twice are counted and reported (README's window).
+ticks that ran twice are counted and reported (the window docs/faults.md tells).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def record_missed_ticks(failover: Failover, url: str) -> int:
     """The fleet's missed-tick sweep on the new primary, run now as it runs once the grace is over.
 
     The gate claims only the newest tick of a job fired while the database was
-    away (README: Faults); the ticks before it are recorded `missed` by the sweep
+    away (docs/faults.md: Faults); the ticks before it are recorded `missed` by the sweep
     after `misfire_grace`, which the test does not wait for.
     """
     window = failover.window("every_second")

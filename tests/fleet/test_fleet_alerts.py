@@ -1,5 +1,6 @@
 """A skipped tick is recorded once for the fleet; one alert after N in a row; one recovery
-notice when the job runs again. Webhooks never block scheduling (README: Skips and alerts)."""
+notice when the job runs again. Webhooks never block scheduling (docs/operating.md: Alerts
+and notices)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Changing a running fleet: pause and resume, reload (README: Changing a running fleet).
+"""Changing a running fleet: pause and resume, reload (docs/changing.md).
 
 Real replicas: a pause stops the job on every replica within a tick, survives
 a restart of every replica, and each tick it covers is recorded `paused` once;

@@ -1,5 +1,5 @@
 """A replica killed mid-run frees its locks at once; the next tick runs elsewhere; the
-killed run is recorded `crashed` (README: Faults)."""
+killed run is recorded `crashed` (docs/faults.md: Faults)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """While a replica is healthy, every tick runs on exactly one replica, with clocks skewed
-between replicas and with jobs that finish in a millisecond (README: How a tick runs).
+between replicas and with jobs that finish in a millisecond (docs/guarantees.md: How a tick runs).
 
 Real `scheduler run` processes against a real PostgreSQL; the evidence is
 what the jobs themselves wrote, not the ledger under test.

@@ -1,10 +1,10 @@
 """Shutdown, slow statements and notices, against real replicas and a real PostgreSQL.
 
 - A run still going when `shutdown_grace` ends is told (`ctx.lock_lost`) before
-  its lock can pass to another replica (README: Faults, SIGTERM or SIGINT).
+  its lock can pass to another replica (docs/faults.md: SIGTERM or SIGINT).
 - A statement that waits on a row lock is not a lost session: no lock is
   dropped, no run is told, and the ticks it delayed are recorded afterwards.
-- A notice survives the death of the replica that raised it (README: Skips and alerts).
+- A notice survives the death of the replica that raised it (docs/operating.md: Alerts and notices).
 """
 
 from __future__ import annotations

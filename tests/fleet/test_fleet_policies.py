@@ -1,4 +1,4 @@
-"""Run policies on real replicas and a real PostgreSQL (README: Run policies).
+"""Run policies on real replicas and a real PostgreSQL (docs/run-policies.md).
 
 Retries: each attempt runs once for the fleet, where the ledger says; the
 failure streak and its alert count ticks, not attempts; a retry pending when

@@ -90,7 +90,7 @@ def test_a_key_a_live_replica_runs_under_another_name_refuses_to_start(
     assert "a1" in clash and "Traceback" not in clash
     assert same_code == 2, same_name.log()
     assert "instance_name 'a1' is in use by a live replica" in same_name.log()
-    # Once no replica runs the old name, the rename is allowed (as README promises).
+    # Once no replica runs the old name, the rename is allowed (as docs/jobs.md promises).
     renamed = project(tmp_path / "c", database_url, "billing_sync_v2", "fleet_a")
     renamed.start("c1")
     try:

@@ -1,4 +1,4 @@
-"""Health, readiness and Prometheus metrics of a replica (README: Health and metrics)."""
+"""Health, readiness and Prometheus metrics of a replica (docs/operating.md: Health and metrics)."""
 
 from __future__ import annotations
 

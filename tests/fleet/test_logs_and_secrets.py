@@ -1,5 +1,5 @@
 """JSON logs parse line by line, and no password or webhook secret ever appears in a
-replica's log or a command's output (README: Logs)."""
+replica's log or a command's output (docs/operating.md: Logs)."""
 
 from __future__ import annotations
 

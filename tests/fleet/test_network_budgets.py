@@ -1,5 +1,5 @@
 """Everything from the network has a budget in bytes and in time: real replicas against
-hostile webhook receivers and HTTP clients (README: Network budgets)."""
+hostile webhook receivers and HTTP clients (docs/operating.md: Network budgets)."""
 
 from __future__ import annotations
 

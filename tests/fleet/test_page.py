@@ -1,4 +1,4 @@
-"""The page in a real browser (README: The page): two real replicas, headless Chromium.
+"""The page in a real browser (docs/operating.md: The page): two real replicas, headless Chromium.
 
 One small fleet for the whole module: `page-a` has a token (its actions are
 on), `page-b` has none (its actions are off). Each test looks at what is on

@@ -1,5 +1,5 @@
 """Behind PgBouncer: session mode works; transaction mode is refused by `check` and `run`
-(README: Deployment notes)."""
+(docs/operating.md: Deployment notes)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Dead man's switch pings: `/start`, success and `/fail`, from exactly one replica per tick
-(README: config.yaml, `ping_url`)."""
+(docs/configuration.md: `ping_url`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`scheduler trigger` always answers, within a stated bound, and says what is true
-(README: Run now).
+(docs/changing.md: Run now).
 
 Real replicas and a real command: the replica that took the request is killed
 mid-run and comes back under the same name; its database connection is cut

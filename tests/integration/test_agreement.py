@@ -1,5 +1,5 @@
 """Replicas that run different schedules for a job: status shows them, the fleet is told
-once when it lasts, once when it ends (both backends; README: Rolling deploys)."""
+once when it lasts, once when it ends (both backends; docs/changing.md: Rolling deploys)."""
 
 from __future__ import annotations
 

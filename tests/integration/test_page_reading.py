@@ -1,5 +1,5 @@
 """The page over PostgreSQL: no GET route changes the ledger whatever it is sent, and a
-reading connection is refused writes by the server itself (README: The page)."""
+reading connection is refused writes by the server itself (docs/operating.md: The page)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A replica's sessions carry its name whatever the URL says, and `scheduler check`
-reaches each host of a URL whatever options it gives (README: Failover)."""
+reaches each host of a URL whatever options it gives (docs/faults.md: Failover)."""
 
 from __future__ import annotations
 

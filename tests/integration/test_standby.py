@@ -1,4 +1,4 @@
-"""A replica never claims on a node that is not the primary (README: Failover).
+"""A replica never claims on a node that is not the primary (docs/faults.md: Failover).
 
 A standby in the URL is passed over for the primary; a standby alone is refused
 (by name) for the lock session and the ledger session; an old primary fenced

@@ -1,4 +1,4 @@
-"""The shipped example jobs (jobs/examples.py) do what README says of jobs like them."""
+"""The shipped example jobs (jobs/examples.py) do what docs/jobs.md says of jobs like them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The HTTP endpoint under abuse: idle and slow clients, floods of headers, busy routes, a busy
-port, a bad host (README: Health and metrics, Network budgets)."""
+port, a bad host (docs/operating.md: Health and metrics, Network budgets)."""
 
 from __future__ import annotations
 

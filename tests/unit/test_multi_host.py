@@ -1,4 +1,4 @@
-"""Multi-host URLs (README: Failover): each host apart for `check`, the primary by default,
+"""Multi-host URLs (docs/faults.md: Failover): each host apart for `check`, the primary by default,
 no password in what is shown, and what the replication settings promise."""
 
 from __future__ import annotations

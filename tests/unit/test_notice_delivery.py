@@ -1,5 +1,6 @@
 """Delivering notices and pings to receivers that are slow or hostile, and the words Slack is
-sent (README: Skips and alerts, Network budgets). Embedded ledger, real local receivers."""
+sent (docs/operating.md: Alerts and notices, Network budgets). Embedded ledger, real local
+receivers."""
 
 from __future__ import annotations
 

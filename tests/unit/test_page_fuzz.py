@@ -1,6 +1,6 @@
 """Every route of the page, sent hostile values in every query parameter it reads, in
 its path, its cookie, its token and its form: never a 5xx, never a header the server
-cannot send, and no GET changes the ledger (README: The page)."""
+cannot send, and no GET changes the ledger (docs/operating.md: The page)."""
 
 from __future__ import annotations
 

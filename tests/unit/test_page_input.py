@@ -1,4 +1,4 @@
-"""What the page does with what it is sent (README: The page): a GET changes nothing,
+"""What the page does with what it is sent (docs/operating.md: The page): a GET changes nothing,
 malformed input is a 4xx with one line and never a 500, a login goes only to a path of
 this site, and failed logins are logged and slowed down per client."""
 

@@ -1,5 +1,5 @@
 """The page without a browser: the timeline's SVG, the token's rules, the routes over an
-embedded ledger (README: The page)."""
+embedded ledger (docs/operating.md: The page)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Retries and catch-up: the delays, the plan, the config errors, and the gate's flow over
-the embedded backend (README: Run policies)."""
+the embedded backend (docs/run-policies.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A POST's reply has a budget in bytes and in time; redirects are not followed; a URL's
-user and password are sent as Basic auth (README: Network budgets)."""
+user and password are sent as Basic auth (docs/operating.md: Network budgets)."""
 
 from __future__ import annotations
 

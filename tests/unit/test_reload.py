@@ -1,4 +1,4 @@
-"""Reloading config.yaml in a running replica (README: Changing a running fleet)."""
+"""Reloading config.yaml in a running replica (docs/changing.md)."""
 
 from __future__ import annotations
 

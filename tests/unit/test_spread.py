@@ -1,5 +1,5 @@
 """`spread`: each job's ticks moved by an offset from its key alone, the same on every replica,
-never doubling or dropping a tick at a DST change (README: config.yaml)."""
+never doubling or dropping a tick at a DST change (docs/run-policies.md: Spread)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""README's Layout names every module and package of the code, where it lives."""
+"""The architecture page's Layout (docs/architecture.md) names every module and package of
+the code, where it lives."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tests.support import ROOT
 
 def layout() -> dict[str, set[str]]:
     """Folder (relative to scheduler/) -> the names Layout lists under it."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "architecture.md").read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
     listed: dict[str, set[str]] = {}
     stack: list[tuple[int, str]] = []
