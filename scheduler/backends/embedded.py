@@ -5,20 +5,39 @@ same ledger tables: a claim is the INSERT of the tick's row inside a
 ``BEGIN IMMEDIATE`` transaction (`embedded_steps.py`, step by step), and a
 job's lock is an exclusive ``flock`` on its own file (`filelocks.py`).
 Coordinates the processes of one host only.
+
+Files on a shared host are not as steady as a server's session: a temp
+cleaner removes them, a job closes descriptors it did not open, another
+user opens what is readable. A keeper thread looks twice a second:
+
+- a lock file or folder removed under us: made again and the lock taken
+  back; a lock whose new file another process holds is lost, and the gate
+  is told as a lost session is (`fileno` becomes readable, `check_alive`
+  raises SessionLost): its runs are told `lock_lost`, the session starts over;
+- a descriptor of ours closed under us, or the ledger file removed or
+  replaced: the process can no longer be trusted with its locks, or would
+  write to a ledger nobody else reads. It exits with EXIT_RESTART at once
+  (no SQLite close: that could delete a new ledger's `-wal` by its name) so
+  that its supervisor starts it again, rather than staying up idle;
+- a step of the wall clock: said in the log (`clock_steps`);
+- every few minutes, the WAL checkpointed and truncated, and free pages given back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Connection, Engine, create_engine, event, func, select
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from scheduler import ledger
 from scheduler.backends.base import (
@@ -27,33 +46,67 @@ from scheduler.backends.base import (
     FinishRequest,
     FinishResult,
     Retries,
+    SessionLost,
     Unavailable,
 )
+from scheduler.backends.clock_steps import ClockWatch
 from scheduler.backends.embedded_steps import Steps
-from scheduler.backends.filelocks import FileLocks
-from scheduler.backends.schema import migrate
+from scheduler.backends.filelocks import KEEP_EVERY, FileLocks, Kept
+from scheduler.backends.ledger_file import LedgerFile, process_state
+from scheduler.backends.schema import CURRENT_VERSION, migrate
+from scheduler.errors import ConfigError
 
 log = logging.getLogger("scheduler.embedded")
 
+EXIT_RESTART = 70  # the process cannot go on safely; its supervisor should start it again
+READ_ONLY = "scheduler_read_only"  # an execution option: a deferred BEGIN, no write lock
+MAINTAIN_EVERY = 600.0  # seconds between WAL truncations and incremental vacuums
+JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes a reset WAL is truncated to
+VACUUM_PAGES = 2000  # free pages given back per look, in one short write
 
-def sqlite_engine(path: Path) -> Engine:
-    """SQLite in WAL mode, every transaction BEGIN IMMEDIATE: writers queue, readers don't."""
-    engine = create_engine(f"sqlite:///{path}", connect_args={"timeout": 30})
+
+def sqlite_engine(file: LedgerFile, busy_timeout: float = 30.0) -> Engine:
+    """SQLite in WAL mode; writes BEGIN IMMEDIATE (writers queue), reads a deferred BEGIN.
+
+    A read-only transaction (execution option READ_ONLY) takes no write lock:
+    in WAL mode readers never wait for a writer. SQLite never makes the file
+    (`mode=rw`): LedgerFile.create does, 0600.
+    """
+
+    def connect() -> sqlite3.Connection:
+        return sqlite3.connect(file.uri(), uri=True, timeout=busy_timeout, check_same_thread=False)
+
+    engine = create_engine(f"sqlite:///{file.path}", creator=connect)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
+        if file.empty():  # set before the first table; on a ledger in use it would wait
+            cursor.execute("PRAGMA auto_vacuum=INCREMENTAL")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
+        cursor.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        reading = conn.get_execution_options().get(READ_ONLY)
+        conn.exec_driver_sql("BEGIN" if reading else "BEGIN IMMEDIATE")
 
     return engine
+
+
+class LedgerBusy(Exception):
+    """The ledger's write lock stayed held past busy_timeout: by whom, and how it is."""
+
+
+def _exit_now(code: int) -> None:
+    from scheduler.logs import stop_logging
+
+    stop_logging()
+    os._exit(code)
 
 
 class EmbeddedBackend:
@@ -70,48 +123,129 @@ class EmbeddedBackend:
         namespace: int,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        busy_timeout: float = 30.0,
+        keep_every: float = KEEP_EVERY,
+        exit: Callable[[int], None] = _exit_now,
     ) -> None:
         self.monotonic = monotonic
         self.database = database
+        self.file = LedgerFile(database)
         self.instance = instance
         self.namespace = namespace
         self.clock = clock
-        self.engine = sqlite_engine(database)
-        self.locks = FileLocks(database.parent / f"{database.name}.locks", namespace)
+        self.busy_timeout = busy_timeout
+        self.keep_every = keep_every
+        self.exit = exit
+        self.engine = sqlite_engine(self.file, busy_timeout)
+        self.locks = FileLocks(
+            database.parent / f"{database.name}.locks",
+            namespace,
+            instance,
+            wall=wall,
+            monotonic=monotonic,
+        )
+        self.clock_watch = ClockWatch(wall, monotonic)
+        self.broken: str | None = None  # why this process had to end (see `_end`)
         self._conn: Connection | None = None
         self._requests_looked = -1e9  # monotonic: when requests_pending last looked
+        self._wake: tuple[int, int] | None = None  # the pipe `fileno` reads, per session
+        self._lost: str | None = None  # why the session's locks are lost
+        self._keeping: threading.Event | None = None
+        self._keeper: threading.Thread | None = None
+        self._opened: tuple[int, int] | None = None  # the ledger file the session opened
+        self._companions: dict[Path, tuple[int, int]] = {}  # its -wal and -shm, last seen
+        self._maintained = monotonic()
+
+    # -- the session ---------------------------------------------------------------------
 
     def connect(self) -> None:
         self.close()
         try:
-            self.locks.make_folder()
+            repaired = self.locks.make_folder()
+            opened = self.file.identity()
+            if opened is None:
+                self._end(f"{self.database}: the ledger is gone (removed while replicas ran?)")
+                raise Unavailable(f"{self.database}: the ledger is gone")
             self._conn = self.engine.connect()
             self.locks.join(self.instance)
         except (OSError, SQLAlchemyError) as exc:
+            self.close()
             raise Unavailable(str(exc)) from None
+        if repaired:
+            log.warning("lock files made this user's alone: %s", "; ".join(repaired))
+        self._opened, self._lost = opened, None
+        self._wake = os.pipe()
+        os.set_blocking(self._wake[0], False)
+        os.set_blocking(self._wake[1], False)
+        self._keeping = threading.Event()
+        self._keeper = threading.Thread(
+            target=self._keep, args=(self._keeping,), name="embedded-keeper", daemon=True
+        )
+        self._keeper.start()
 
     def close(self) -> None:
+        keeping, keeper = self._keeping, self._keeper
+        self._keeping = self._keeper = None
+        if keeping is not None:
+            keeping.set()
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=5)
         self.locks.release_all()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+        wake, self._wake = self._wake, None
+        for fd in wake or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def verify(self) -> None:
-        return None  # no pooler between us and a file
+        """At start-up: what no retry mends ends it (ConfigError: exit 2, one line)."""
+        self.file.refuse_unsafe()
+        self._set_aside_orphans()
+        live = self.locks.presence_of(self.instance)
+        if live is not None:
+            raise ConfigError(
+                f"instance_name {self.instance!r} is in use by a live replica"
+                + (f" (pid {live['pid']})" if "pid" in live else "")
+                + ": give each replica its own name (SCHEDULER_INSTANCE_NAME)"
+            )
+        try:
+            repaired = self.locks.make_folder()
+        except OSError as exc:
+            raise ConfigError(str(exc)) from None
+        if repaired:
+            log.warning("lock files made this user's alone: %s", "; ".join(repaired))
+        self._incremental_vacuum_once()
 
     def migrate(self) -> int:
-        self.database.parent.mkdir(parents=True, exist_ok=True)
+        self.file.refuse_unreadable()
+        self._set_aside_orphans()
+        self.file.create()
+        with self.engine.connect() as conn:  # a look first, which waits for no writer
+            conn.execution_options(**{READ_ONLY: True})
+            found = 0
+            if conn.dialect.has_table(conn, ledger.schema_version.name):
+                found = conn.execute(select(func.max(ledger.schema_version.c.version))).scalar()
+        if (found or 0) >= CURRENT_VERSION:
+            return int(found or 0)
         with self.engine.connect() as conn:
             return migrate(conn, self.namespace)
 
     def fileno(self) -> int | None:
-        return None  # no server to say goodbye
+        """Readable when the keeper found a lock it cannot take back (check_alive says)."""
+        return None if self._wake is None else self._wake[0]
 
     def abort(self) -> None:
         return None  # no call can hang on a dead server
 
     def check_alive(self) -> None:
-        return None
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.read(self._wake[0], 4096)
+        if self._lost is not None:
+            raise SessionLost(self._lost)
 
     def heartbeat(self) -> datetime:
         return self.clock()
@@ -156,7 +290,7 @@ class EmbeddedBackend:
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
         assert self._conn is not None, "not connected"
-        with self._conn.begin():
+        with self._writing(), self._conn.begin():
             return ledger.take_run_requests(self._conn, instance, list(keys), self.clock())
 
     # -- housekeeping ---------------------------------------------------------------------
@@ -172,22 +306,45 @@ class EmbeddedBackend:
         return self.clock()
 
     def free_locks(self, conn: Connection, keys: Sequence[int]) -> set[int]:
-        """Probe inside the caller's BEGIN IMMEDIATE: no claim can take a lock meanwhile."""
-        return {key for key in keys if self.locks.is_free(key)}
+        """Probe inside the caller's BEGIN IMMEDIATE: no claim can take a lock meanwhile.
+        Free means the running rows' processes are gone too (FileLocks.vacant)."""
+        runs = _runs_by_key(conn)
+        return {key for key in keys if self.locks.vacant(key, runs.get(key, set()))}
 
     def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
-        return [
-            {"name": name, "since": None, "address": "localhost", "pid": None}
-            for name in self.locks.live_instances()
-        ]
+        out = []
+        for found in self.locks.live_instances():
+            since = found.get("since")
+            at = datetime.fromtimestamp(since, UTC) if isinstance(since, float | int) else None
+            out.append(
+                {
+                    "name": found["name"],
+                    "since": at,
+                    "address": "localhost",
+                    "pid": found.get("pid"),
+                    "note": found.get("note"),
+                }
+            )
+        return out
 
     def lock_holders(self, conn: Connection) -> dict[int, str]:
-        """Held job locks; the holder's name comes from the ledger's running row."""
-        held = {}
-        for row in ledger.running(conn):
-            if not self.locks.is_free(row.key) and row.instance:
-                held[row.key] = row.instance
-        return held
+        """Held job locks, read without taking any; the holder's name is the ledger's."""
+        rows = [row for row in ledger.running(conn) if row.instance]
+        held = self.locks.held_now(row.key for row in rows)
+        if held is None:  # /proc/locks cannot tell here: probe
+            held = {row.key for row in rows if not self.locks.free_now(row.key)}
+        return {row.key: row.instance for row in rows if row.key in held and row.instance}
+
+    def notes(self) -> list[str]:
+        """What `status` should say about the files under the fleet."""
+        out = []
+        if not self.locks.folder_present():
+            out.append(
+                f"the lock folder {self.locks.folder} is missing: a running replica makes it "
+                "again within a second, so none runs, or none can (see their logs)"
+            )
+        out += [f"the ledger: {why}" for why in [self._write_lock_trouble()] if why]
+        return out
 
     def release(self, keys: Sequence[int]) -> None:
         for key in keys:
@@ -215,7 +372,7 @@ class EmbeddedBackend:
         conn = self._conn
         steps = Steps(conn, self.locks, instance, self.clock())
         try:
-            with conn.begin():
+            with self._writing(), conn.begin():
                 yield steps
         except BaseException:
             for key in steps.taken:  # the rows were rolled back; so are the locks
@@ -225,7 +382,7 @@ class EmbeddedBackend:
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         assert self._conn is not None, "not connected"
         conn = self._conn
-        with conn.begin():
+        with self._writing(), conn.begin():
             steps = Steps(conn, self.locks, self.instance, self.clock())
             done = steps.record_finishes(requests)
             streaks = steps.finish_streaks(done)
@@ -238,3 +395,180 @@ class EmbeddedBackend:
             )
             for r, recorded, repeated, finished in done
         ]
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write that waited busy_timeout for the ledger's write lock says who holds it."""
+        try:
+            yield
+        except OperationalError as exc:
+            if "database is locked" not in str(exc.orig):
+                raise
+            trouble = self._write_lock_trouble() or "held in this process, or free again now"
+            raise LedgerBusy(
+                f"the ledger's write lock was held for over {self.busy_timeout:g} s: {trouble}"
+            ) from None
+
+    def _write_lock_trouble(self) -> str | None:
+        """Who holds the ledger's write lock (another process), and how that process is."""
+        pid = self.file.write_lock_holder()
+        if pid is None:
+            return None
+        names = [i["name"] for i in self.locks.live_instances() if i.get("pid") == pid]
+        who = f"replica {names[0]} (pid {pid})" if names else f"process {pid}"
+        state = process_state(pid)
+        if not state.startswith("stopped"):
+            return f"its write lock is held by {who}" + (f", {state}" if state else "")
+        return (
+            f"its write lock is held by {who}, {state}: every replica's claims and finishes "
+            "wait until it resumes or ends (SIGCONT or end it)"
+        )
+
+    # -- the keeper ----------------------------------------------------------------------
+
+    def _keep(self, keeping: threading.Event) -> None:
+        while not keeping.wait(self.keep_every):
+            try:
+                if not self.keep_once():
+                    return
+            except Exception:
+                log.exception("the embedded keeper failed (continuing)")
+
+    def keep_once(self) -> bool:
+        """One look (see the module's docstring); False once the session is done for."""
+        kept = self.locks.keep()
+        if kept.broken:
+            self._end(
+                "file descriptors of this replica were closed under it (a job that closes "
+                f"descriptors it did not open?): {', '.join(kept.broken)}; it can no longer "
+                "tell which job locks it holds"
+            )
+            return False
+        if not self._ledger_still_ours():
+            return False
+        if kept.news or kept.failed:
+            self._tell(kept)
+        if kept.failed or kept.lost:
+            self._lose(
+                kept.failed
+                or "the lock file of job key(s) "
+                + ", ".join(map(str, kept.lost))
+                + " was replaced and another process holds the new one"
+            )
+            return False
+        self.clock_watch.look()
+        if self.monotonic() - self._maintained > MAINTAIN_EVERY:
+            self._maintained = self.monotonic()
+            self.maintain()
+        return True
+
+    def _ledger_still_ours(self) -> bool:
+        """The ledger at its path is the file this session opened (else the process ends)."""
+        found = self.file.identity()
+        if found == self._opened:
+            self._companions = self.file.identities()
+            return True
+        moved = self.file.set_aside(self._companions)
+        aside = f"; its -wal and -shm are set aside as {', '.join(map(str, moved))}" * bool(moved)
+        self._end(
+            f"{self.database}: the ledger was {'removed' if found is None else 'replaced'} "
+            f"while this replica had it open{aside}: the replicas must all start again on one "
+            "ledger, and SQLite must not open a new one beside the old one's -wal"
+        )
+        return False
+
+    def _tell(self, kept: Kept) -> None:
+        done = []
+        if kept.remade_folder:
+            done.append(f"the lock folder {self.locks.folder} had vanished: made it again")
+        if kept.retaken:
+            done.append(f"took back the locks of job key(s) {', '.join(map(str, kept.retaken))}")
+        if kept.lost:
+            done.append(f"lost the locks of job key(s) {', '.join(map(str, kept.lost))}")
+        if kept.rejoined:
+            done.append("made this replica's presence file again")
+        if kept.failed:
+            done.append(f"cannot make the lock folder again: {kept.failed}")
+        text = "; ".join(done)
+        log.warning("lock files removed under this replica (a temp cleaner?): %s", text)
+        at = datetime.now(UTC).isoformat(timespec="seconds")
+        self.locks.note(f"{at}: {text}")
+
+    def _lose(self, reason: str) -> None:
+        """Tell the gate as a lost session is told: its runs' lock_lost, then a new session."""
+        log.error("%s: this replica's runs are told their locks are lost", reason)
+        self._lost = reason
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake[1], b"!")
+
+    def _end(self, reason: str) -> None:
+        self.broken = reason
+        log.critical(
+            "%s: exiting now with status %d so that a supervisor starts it again",
+            reason,
+            EXIT_RESTART,
+        )
+        self.exit(EXIT_RESTART)
+
+    # -- the ledger's size ---------------------------------------------------------------
+
+    def maintain(self) -> None:
+        """Truncate the WAL and give back free pages, each waiting a moment at most: a
+        long reader only makes this wait for the next look, and no claim waits for it."""
+        try:
+            with contextlib.closing(self._raw(timeout=0.1)) as conn:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+                    conn.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
+        except sqlite3.Error as exc:
+            log.debug("ledger upkeep skipped: %s", exc)
+
+    def _incremental_vacuum_once(self) -> None:
+        """A ledger made before incremental vacuum, rewritten once, while no replica runs."""
+        if not self.database.exists() or self.locks.live_instances():
+            return
+        try:
+            with contextlib.closing(self._raw(timeout=self.busy_timeout)) as conn:
+                if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+                    return
+                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 0:
+                    return
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                conn.execute("VACUUM")
+        except sqlite3.Error as exc:
+            log.warning("could not set the ledger up for incremental vacuum: %s", exc)
+            return
+        log.info("the ledger now gives pages it no longer needs back to the disk")
+
+    def _raw(self, timeout: float) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.file.uri(), uri=True, timeout=timeout, isolation_level=None)
+        conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
+        return conn
+
+    def _set_aside_orphans(self) -> None:
+        """A -wal or -shm with no ledger beside it belongs to a ledger that was removed:
+        SQLite would read it into a new one. Wait while a process still has it open."""
+        orphans = self.file.orphans()
+        if not orphans:
+            return
+        pid = self.file.orphans_in_use()
+        if pid is not None:
+            raise Unavailable(
+                f"{self.database} is missing but process {pid} still has the removed ledger "
+                "open; waiting for it to end"
+            )
+        moved = self.file.set_aside(self.file.identities())
+        log.warning(
+            "%s was removed: set its -wal and -shm aside (%s); starting a new ledger",
+            self.database,
+            ", ".join(map(str, moved)),
+        )
+
+
+def _runs_by_key(conn: Connection) -> dict[int, set[str]]:
+    """Job key -> instances whose ledger rows say the job runs there."""
+    out: dict[int, set[str]] = {}
+    for row in ledger.running(conn):
+        out.setdefault(row.key, set()).add(row.instance or "")
+    return out

@@ -1,0 +1,207 @@
+"""The embedded ledger's files on disk: `scheduler.db` and its `-wal` and `-shm`.
+
+They are this user's alone (0600): whoever can open `-shm` can take SQLite's
+WAL write lock and stop every replica, and whoever can read the file reads
+every job's errors. The database is made here, 0600, before SQLite opens it
+(SQLite gives `-wal` and `-shm` the database's mode), and SQLite itself is
+never let make it (`mode=rw`): a ledger removed under running replicas must
+not come back as a new file beside the old one's `-wal`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pwd
+import stat
+import struct
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from scheduler.errors import ConfigError
+
+COMPANIONS = ("-wal", "-shm")
+# SQLite's unix VFS keeps its WAL locks in -shm from byte 120: the write lock first,
+# then the checkpointer's, the recoverer's and the readers'; byte 128 ("DMS") is held
+# shared by every process that has the database open.
+WAL_WRITE_LOCK = 120
+SHM_DMS_LOCK = 128
+
+
+class LedgerFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def companions(self) -> list[Path]:
+        return [self.path.with_name(self.path.name + suffix) for suffix in COMPANIONS]
+
+    def uri(self) -> str:
+        """For sqlite3.connect(uri=True): read-write, never created by SQLite."""
+        return f"file:{quote(str(self.path))}?mode=rw"
+
+    def create(self) -> None:
+        """The database file, 0600, unless it exists (an empty file is an empty ledger)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+
+    def empty(self) -> bool:
+        """A ledger just made: no table yet."""
+        try:
+            return os.stat(self.path).st_size == 0
+        except OSError:
+            return False
+
+    def identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the file at the path now; None if there is none."""
+        try:
+            found = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (found.st_dev, found.st_ino)
+
+    def identities(self) -> dict[Path, tuple[int, int]]:
+        """(device, inode) of the companions at their paths now."""
+        out = {}
+        for path in self.companions:
+            with contextlib.suppress(OSError):
+                found = os.stat(path)
+                out[path] = (found.st_dev, found.st_ino)
+        return out
+
+    # -- refusals ------------------------------------------------------------------------
+
+    def refuse_unsafe(self) -> None:
+        """At start-up: files another user could read or lock, or that are not this
+        user's, or a ledger this user cannot write, end the start (ConfigError)."""
+        for path in [self.path, *self.companions]:
+            try:
+                found = os.stat(path)
+            except FileNotFoundError:
+                continue
+            mode = stat.S_IMODE(found.st_mode)
+            if found.st_uid != os.geteuid():
+                raise ConfigError(
+                    f"{path}: it is {_user(found.st_uid)}'s (mode {mode:o}), not "
+                    f"{_user(os.geteuid())}'s: run the replicas as {_user(found.st_uid)}"
+                )
+            if mode & 0o077:
+                raise ConfigError(
+                    f"{path}: other users can {'write' if mode & 0o022 else 'read'} it "
+                    f"(mode {mode:o}), so any of them could read the jobs' history or stop "
+                    f"every replica: with every replica stopped, chmod 600 {path}"
+                )
+        writable = not os.path.exists(self.path) or os.access(self.path, os.W_OK)
+        mode = _mode(self.path)
+        if not writable or (mode is not None and not mode & 0o200):
+            raise ConfigError(
+                f"{self.path}: read-only (mode {mode or 0:o}): a replica writes its ledger; "
+                f"chmod 600 {self.path}"
+            )
+        folder = self.path.parent
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"{folder}: {_user(os.geteuid())} cannot make files in it; SQLite makes "
+                f"{self.path.name}-wal and -shm there"
+            )
+
+    def refuse_unreadable(self) -> None:
+        """For the commands: a ledger this user may not open, said in one line."""
+        try:
+            found = os.stat(self.path)
+        except FileNotFoundError:
+            return
+        except PermissionError:
+            raise ConfigError(
+                f"{self.path}: {_user(os.geteuid())} may not look into its folder; "
+                "run this command as the user who runs the replicas"
+            ) from None
+        if not os.access(self.path, os.R_OK | os.W_OK):
+            raise ConfigError(
+                f"{self.path}: it is {_user(found.st_uid)}'s (mode "
+                f"{stat.S_IMODE(found.st_mode):o}); run this command as {_user(found.st_uid)}"
+            )
+
+    # -- a ledger that was removed ---------------------------------------------------------
+
+    def set_aside(self, companions: dict[Path, tuple[int, int]]) -> list[Path]:
+        """Rename these companions (of a database that is gone), if still the same files,
+        so that no new database at the path ever reads them as its own."""
+        moved = []
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for path, identity in companions.items():
+            try:
+                found = os.stat(path)
+            except OSError:
+                continue
+            if (found.st_dev, found.st_ino) == identity:
+                aside = path.with_name(f"{path.name}.removed-{stamp}")
+                with contextlib.suppress(OSError):
+                    os.rename(path, aside)
+                    moved.append(aside)
+        return moved
+
+    def orphans(self) -> list[Path]:
+        """Companions with no database beside them: left by a ledger that was removed."""
+        if self.path.exists():
+            return []
+        return [path for path in self.companions if path.exists()]
+
+    def orphans_in_use(self) -> int | None:
+        """A process that still has the removed ledger open (its pid), if any."""
+        shm = self.path.with_name(self.path.name + "-shm")
+        return lock_holder(shm, SHM_DMS_LOCK)
+
+    def write_lock_holder(self) -> int | None:
+        """The process holding SQLite's WAL write lock (another one: ours are not seen)."""
+        return lock_holder(self.path.with_name(self.path.name + "-shm"), WAL_WRITE_LOCK)
+
+
+def lock_holder(path: Path, offset: int) -> int | None:
+    """The pid of a process holding a POSIX lock on byte `offset` of `path` (F_GETLK)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        query = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+        kind, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None if kind == fcntl.F_UNLCK else pid
+
+
+def process_state(pid: int) -> str:
+    """How a process is (stopped, running, ...), as /proc tells; '' if it cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+    return {
+        "T": "stopped",
+        "t": "stopped by a debugger",
+        "D": "waiting for the disk",
+        "Z": "a zombie",
+        "R": "running",
+        "S": "running",
+    }.get(state, state)
+
+
+def _mode(path: Path) -> int | None:
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
