@@ -204,6 +204,16 @@ class EmbeddedBackend:
         """At start-up: what no retry mends ends it (ConfigError: exit 2, one line)."""
         self.file.refuse_unsafe()
         self._set_aside_orphans()
+        loose = self.file.loose()
+        if loose:
+            self.file.rewrite()
+            self.engine.dispose()  # no pooled connection may keep the old file
+            log.warning(
+                "%s: other users could open the ledger (%s): copied it into a new file, this "
+                "user's alone (a descriptor opened on the old one reads nothing new)",
+                self.database,
+                ", ".join(f"{path.name} mode {mode:o}" for path, mode in loose),
+            )
         live = self.locks.presence_of(self.instance)
         if live is not None:
             raise ConfigError(
@@ -552,7 +562,7 @@ class EmbeddedBackend:
         orphans = self.file.orphans()
         if not orphans:
             return
-        pid = self.file.orphans_in_use()
+        pid = self.file.in_use()
         if pid is not None:
             raise Unavailable(
                 f"{self.database} is missing but process {pid} still has the removed ledger "

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 import pwd
+import sqlite3
 import stat
 import struct
 import time
@@ -75,24 +76,19 @@ class LedgerFile:
     # -- refusals ------------------------------------------------------------------------
 
     def refuse_unsafe(self) -> None:
-        """At start-up: files another user could read or lock, or that are not this
-        user's, or a ledger this user cannot write, end the start (ConfigError)."""
+        """At start-up: ledger files that are not this user's, a ledger this user cannot
+        write, or one others can open while a process has it open, end the start
+        (ConfigError). Others' access alone is mended (`rewrite`)."""
         for path in [self.path, *self.companions]:
             try:
                 found = os.stat(path)
             except FileNotFoundError:
                 continue
-            mode = stat.S_IMODE(found.st_mode)
             if found.st_uid != os.geteuid():
                 raise ConfigError(
-                    f"{path}: it is {_user(found.st_uid)}'s (mode {mode:o}), not "
-                    f"{_user(os.geteuid())}'s: run the replicas as {_user(found.st_uid)}"
-                )
-            if mode & 0o077:
-                raise ConfigError(
-                    f"{path}: other users can {'write' if mode & 0o022 else 'read'} it "
-                    f"(mode {mode:o}), so any of them could read the jobs' history or stop "
-                    f"every replica: with every replica stopped, chmod 600 {path}"
+                    f"{path}: it is {_user(found.st_uid)}'s (mode "
+                    f"{stat.S_IMODE(found.st_mode):o}), not {_user(os.geteuid())}'s: run the "
+                    f"replicas as {_user(found.st_uid)}"
                 )
         writable = not os.path.exists(self.path) or os.access(self.path, os.W_OK)
         mode = _mode(self.path)
@@ -107,6 +103,44 @@ class LedgerFile:
                 f"{folder}: {_user(os.geteuid())} cannot make files in it; SQLite makes "
                 f"{self.path.name}-wal and -shm there"
             )
+        loose = self.loose()
+        pid = self.in_use() if loose else None
+        if loose and pid is not None:
+            path, mode = loose[0]
+            raise ConfigError(
+                f"{path}: other users can {'write' if mode & 0o022 else 'read'} it (mode "
+                f"{mode:o}), so any of them could read the jobs' history or stop every "
+                f"replica, and process {pid} has it open: stop every replica, then start "
+                "again (the ledger is then copied into a new file of this user's alone)"
+            )
+
+    def loose(self) -> list[tuple[Path, int]]:
+        """Ledger files other users may open, with their modes (an older version's)."""
+        out = []
+        for path in [self.path, *self.companions]:
+            mode = _mode(path)
+            if mode is not None and mode & 0o077:
+                out.append((path, mode))
+        return out
+
+    def rewrite(self) -> None:
+        """Copy the ledger into a new 0600 file at its path, with no process using it:
+        a descriptor another user opened on the old one reads nothing new, and an old
+        -shm they could lock is gone (SQLite makes a new one, 0600 like the ledger)."""
+        fresh = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        fresh.unlink(missing_ok=True)
+        os.close(os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        os.chmod(fresh, 0o600)
+        with contextlib.closing(sqlite3.connect(self.uri(), uri=True)) as conn:
+            conn.execute("VACUUM INTO ?", (str(fresh),))
+        old = self.identities()  # the last close may have removed them already
+        os.replace(fresh, self.path)
+        for path in self.set_aside(old):
+            path.unlink(missing_ok=True)  # the copy holds all they held
+
+    def in_use(self) -> int | None:
+        """Another process that has the ledger open (its pid), if any."""
+        return lock_holder(self.path.with_name(self.path.name + "-shm"), SHM_DMS_LOCK)
 
     def refuse_unreadable(self) -> None:
         """For the commands: a ledger this user may not open, said in one line."""
@@ -149,11 +183,6 @@ class LedgerFile:
         if self.path.exists():
             return []
         return [path for path in self.companions if path.exists()]
-
-    def orphans_in_use(self) -> int | None:
-        """A process that still has the removed ledger open (its pid), if any."""
-        shm = self.path.with_name(self.path.name + "-shm")
-        return lock_holder(shm, SHM_DMS_LOCK)
 
     def write_lock_holder(self) -> int | None:
         """The process holding SQLite's WAL write lock (another one: ours are not seen)."""

@@ -4,7 +4,9 @@ that shrinks again, and what no retry mends refused at start-up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -59,33 +61,89 @@ def test_the_ledger_files_are_this_users_alone(tmp_path, replicas):
     assert [mode(path) for path in ledger_files(tmp_path)] == [0o600, 0o600, 0o600]
 
 
+HOLD = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("SELECT count(*) FROM scheduler_ticks").fetchall()
+print("open", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def held_open(database):
+    """Another process (an older replica, say) with the ledger open."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(database)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
 @pytest.mark.parametrize("name", ["scheduler.db", "scheduler.db-wal", "scheduler.db-shm"])
-def test_ledger_files_others_can_read_are_refused_at_start(tmp_path, replicas, name):
+def test_ledger_files_others_can_read_are_refused_while_in_use(tmp_path, replicas, name):
     a = replicas("a")
-    claim(a, tick())  # the -wal and -shm exist while a replica has the ledger open
-    (tmp_path / name).chmod(0o644)
-    b = Replica(tmp_path / "scheduler.db", "b")
-    with pytest.raises(ConfigError, match=rf"{name}: other users can read it \(mode 644\)"):
+    claim(a, tick())
+    a.close()
+    with held_open(tmp_path / "scheduler.db") as holder:
+        (tmp_path / name).chmod(0o644)
+        b = Replica(tmp_path / "scheduler.db", "b")
+        said = rf"{name}: other users can read it \(mode 644\).*process {holder.pid} has it open"
+        with pytest.raises(ConfigError, match=said):
+            b.verify()
+
+
+def test_a_ledger_others_could_open_is_copied_into_a_new_file_of_this_users(tmp_path, replicas):
+    """As an older version left it: 0644, and another user opened it back then."""
+    a = replicas("a")
+    ran = claim(a, tick())
+    a.close()
+    a.ledger_engine.dispose()
+    database = tmp_path / "scheduler.db"
+    database.chmod(0o644)
+    theirs = os.open(database, os.O_RDONLY)
+    try:
+        b = Replica(database, "b")  # as a replica starts: verify, migrate, connect
         b.verify()
+        b.migrate()
+        b.connect()
+        assert os.fstat(theirs).st_ino != database.stat().st_ino  # they read nothing new
+        assert statuses(b)[ran.scheduled_at] == "running"  # nothing lost
+        finish(b, claim(b, tick(-1)))
+        assert [mode(path) for path in ledger_files(tmp_path)] == [0o600, 0o600, 0o600]
+        b.close()
+        b.ledger_engine.dispose()
+    finally:
+        os.close(theirs)
 
 
 @pytest.mark.parametrize(
-    ("chmod", "said"),
+    ("chmod", "said", "holder"),
     [
-        (0o644, r"scheduler.db: other users can read it \(mode 644\)"),
-        (0o400, r"scheduler.db: read-only \(mode 400\)"),
+        (0o644, r"scheduler.db: other users can read it \(mode 644\)", True),
+        (0o400, r"scheduler.db: read-only \(mode 400\)", False),
     ],
 )
-def test_a_replica_refuses_to_start_on_such_a_ledger_with_one_line(tmp_path, chmod, said):
+def test_a_replica_refuses_to_start_on_such_a_ledger_with_one_line(tmp_path, chmod, said, holder):
     config = project(tmp_path)
-    assert scheduler(config, "check").returncode == 0
-    (tmp_path / "scheduler.db").touch()
-    (tmp_path / "scheduler.db").chmod(chmod)
-    done = scheduler(config, "run", timeout=60)
+    with contextlib.ExitStack() as stack:
+        a = replica(tmp_path, "a", connect=False)  # a ledger, with its tables
+        a.ledger_engine.dispose()
+        if holder:
+            stack.enter_context(held_open(tmp_path / "scheduler.db"))
+        (tmp_path / "scheduler.db").chmod(chmod)
+        done = scheduler(config, "run", timeout=60)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("scheduler: ")]
     assert len(lines) == 1 and "Traceback" not in done.stderr
-    assert __import__("re").search(said, lines[0]), lines[0]
+    assert re.search(said, lines[0]), lines[0]
 
 
 # -- 4. a writer frozen inside a ledger transaction ----------------------------------------
