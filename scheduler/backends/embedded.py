@@ -63,6 +63,7 @@ READ_ONLY = "scheduler_read_only"  # an execution option: a deferred BEGIN, no w
 MAINTAIN_EVERY = 600.0  # seconds between WAL truncations and incremental vacuums
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes a reset WAL is truncated to
 VACUUM_PAGES = 2000  # free pages given back per look, in one short write
+IN_USE_PATIENCE = 10.0  # seconds a start waits for a loose ledger to be let go
 
 
 def sqlite_engine(file: LedgerFile, busy_timeout: float = 30.0) -> Engine:
@@ -203,17 +204,6 @@ class EmbeddedBackend:
     def verify(self) -> None:
         """At start-up: what no retry mends ends it (ConfigError: exit 2, one line)."""
         self.file.refuse_unsafe()
-        self._set_aside_orphans()
-        loose = self.file.loose()
-        if loose:
-            self.file.rewrite()
-            self.engine.dispose()  # no pooled connection may keep the old file
-            log.warning(
-                "%s: other users could open the ledger (%s): copied it into a new file, this "
-                "user's alone (a descriptor opened on the old one reads nothing new)",
-                self.database,
-                ", ".join(f"{path.name} mode {mode:o}" for path, mode in loose),
-            )
         live = self.locks.presence_of(self.instance)
         if live is not None:
             raise ConfigError(
@@ -227,7 +217,30 @@ class EmbeddedBackend:
             raise ConfigError(str(exc)) from None
         if repaired:
             log.warning("lock files made this user's alone: %s", "; ".join(repaired))
-        self._incremental_vacuum_once()
+        with self.locks.alone("ledger"):  # replicas starting together: one at a time
+            self._set_aside_orphans()
+            self._mend_loose()
+            self._incremental_vacuum_once()
+
+    def _mend_loose(self) -> None:
+        """Ledger files an older version left open to others: copied into a new file
+        while no process uses them; refused if one keeps them open (an older replica)."""
+        deadline = self.monotonic() + IN_USE_PATIENCE
+        while loose := self.file.loose():
+            pid = self.file.in_use()
+            if pid is None:
+                self.file.rewrite()
+                self.engine.dispose()  # no pooled connection may keep the old file
+                log.warning(
+                    "%s: other users could open the ledger (%s): copied it into a new file, "
+                    "this user's alone (a descriptor opened on the old one reads nothing new)",
+                    self.database,
+                    ", ".join(f"{path.name} mode {mode:o}" for path, mode in loose),
+                )
+                return
+            if self.monotonic() > deadline:
+                raise self.file.refuse_loose(loose, pid)
+            time.sleep(0.2)  # a replica starting beside this one may be closing it
 
     def migrate(self) -> int:
         self.file.refuse_unreadable()

@@ -30,7 +30,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -320,6 +320,17 @@ class FileLocks:
         finally:
             os.close(fd)
         return None
+
+    @contextlib.contextmanager
+    def alone(self, name: str) -> Iterator[None]:
+        """An exclusive flock on a file of the folder (made first), for a step no two
+        processes may take at once (mending the ledger at start-up)."""
+        fd = self._open(self.folder / f".{name}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            _release(fd)
 
     def held_keys(self) -> set[int]:
         with self._guard:

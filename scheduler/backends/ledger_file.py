@@ -76,9 +76,8 @@ class LedgerFile:
     # -- refusals ------------------------------------------------------------------------
 
     def refuse_unsafe(self) -> None:
-        """At start-up: ledger files that are not this user's, a ledger this user cannot
-        write, or one others can open while a process has it open, end the start
-        (ConfigError). Others' access alone is mended (`rewrite`)."""
+        """At start-up: ledger files that are not this user's, or a ledger this user cannot
+        write, end the start (ConfigError). Others' access is mended (`rewrite`)."""
         for path in [self.path, *self.companions]:
             try:
                 found = os.stat(path)
@@ -103,16 +102,16 @@ class LedgerFile:
                 f"{folder}: {_user(os.geteuid())} cannot make files in it; SQLite makes "
                 f"{self.path.name}-wal and -shm there"
             )
-        loose = self.loose()
-        pid = self.in_use() if loose else None
-        if loose and pid is not None:
-            path, mode = loose[0]
-            raise ConfigError(
-                f"{path}: other users can {'write' if mode & 0o022 else 'read'} it (mode "
-                f"{mode:o}), so any of them could read the jobs' history or stop every "
-                f"replica, and process {pid} has it open: stop every replica, then start "
-                "again (the ledger is then copied into a new file of this user's alone)"
-            )
+
+    def refuse_loose(self, loose: list[tuple[Path, int]], pid: int) -> ConfigError:
+        """Files others can open, while process `pid` has the ledger open (no copy then)."""
+        path, mode = loose[0]
+        return ConfigError(
+            f"{path}: other users can {'write' if mode & 0o022 else 'read'} it (mode "
+            f"{mode:o}), so any of them could read the jobs' history or stop every "
+            f"replica, and process {pid} has it open: stop every replica, then start "
+            "again (the ledger is then copied into a new file of this user's alone)"
+        )
 
     def loose(self) -> list[tuple[Path, int]]:
         """Ledger files other users may open, with their modes (an older version's)."""

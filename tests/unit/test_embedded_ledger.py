@@ -17,6 +17,7 @@ import time
 import pytest
 
 from scheduler import ledger
+from scheduler.backends import embedded
 from scheduler.backends.base import Outcome, Unavailable
 from scheduler.backends.embedded import EXIT_RESTART, JOURNAL_SIZE_LIMIT, LedgerBusy
 from scheduler.catalog import load_catalog
@@ -88,7 +89,10 @@ def held_open(database):
 
 
 @pytest.mark.parametrize("name", ["scheduler.db", "scheduler.db-wal", "scheduler.db-shm"])
-def test_ledger_files_others_can_read_are_refused_while_in_use(tmp_path, replicas, name):
+def test_ledger_files_others_can_read_are_refused_while_in_use(
+    tmp_path, replicas, name, monkeypatch
+):
+    monkeypatch.setattr(embedded, "IN_USE_PATIENCE", 0.5)
     a = replicas("a")
     claim(a, tick())
     a.close()
