@@ -55,6 +55,9 @@ class Steps:
     def __init__(self, conn: Connection, locks: FileLocks, instance: str, now: datetime) -> None:
         self.conn, self.locks, self.instance, self.now = conn, locks, instance, now
         self.taken: list[int] = []
+        # Job key -> (instance, tick) of its running rows, read once, by the first lock
+        # taken (each lock leaves its own tick out; this transaction is the only writer).
+        self._running: dict[int, list[tuple[str | None, datetime]]] | None = None
 
     # -- scheduler_claim ----------------------------------------------------------------
 
@@ -386,13 +389,12 @@ class Steps:
         """
         if not self.locks.try_lock(key):
             return False
-        t = ledger.ticks
-        others = self.conn.execute(
-            select(t.c.instance).where(
-                t.c.job_key == key, t.c.status == Status.RUNNING, t.c.scheduled_at != tick
-            )
-        )
-        if not self.locks.proves_over(key, {row.instance or "" for row in others}):
+        if self._running is None:  # read once: this transaction is the only writer
+            self._running = {}
+            for row in ledger.running(self.conn):
+                self._running.setdefault(row.key, []).append((row.instance, row.scheduled_at))
+        others = {i or "" for i, at in self._running.get(key, []) if at != tick}
+        if not self.locks.proves_over(key, others):
             self.locks.unlock(key)
             return False
         self.locks.stamp(key)
