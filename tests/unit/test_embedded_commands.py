@@ -6,8 +6,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from scheduler.errors import ConfigError
 from scheduler.housekeeping import Housekeeping
 from scheduler.reload import reread
 from tests.support import make_job, now_tick, settle
-from tests.unit.embedded_helpers import project, replica
+from tests.unit.embedded_helpers import command_env, project, replica, scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,3 +129,29 @@ def test_a_full_disk_under_the_finishes_is_said_in_few_lines(gate_over_file, cap
     assert all("database or disk is full" in r.getMessage() for r in said)
     assert "more like it unsaid" in said[-1].getMessage()
     assert not seen.of(events.RunFinished)
+
+
+def test_a_second_replica_of_the_same_name_is_refused_at_once(tmp_path):
+    """In embedded mode a live presence is a live process: nothing to wait for."""
+    config = project(tmp_path)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "run"],
+        cwd=tmp_path,
+        env=command_env(config, "r1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stderr is not None
+        for line in first.stderr:
+            if "lock session up" in line:
+                break
+        started = time.monotonic()
+        second = scheduler(config, "run", instance="r1", timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert time.monotonic() - started < 20
+        assert "'r1' is in use by a live replica" in second.stderr.splitlines()[-1]
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
