@@ -6,21 +6,9 @@ same ledger tables: a claim is the INSERT of the tick's row inside a
 job's lock is an exclusive ``flock`` on its own file (`filelocks.py`).
 Coordinates the processes of one host only.
 
-Files on a shared host are not as steady as a server's session: a temp
-cleaner removes them, a job closes descriptors it did not open, another
-user opens what is readable. A keeper thread looks twice a second:
-
-- a lock file or folder removed under us: made again and the lock taken
-  back; a lock whose new file another process holds is lost, and the gate
-  is told as a lost session is (`fileno` becomes readable, `check_alive`
-  raises SessionLost): its runs are told `lock_lost`, the session starts over;
-- a descriptor of ours closed under us, or the ledger file removed or
-  replaced: the process can no longer be trusted with its locks, or would
-  write to a ledger nobody else reads. It exits with EXIT_RESTART at once
-  (no SQLite close: that could delete a new ledger's `-wal` by its name) so
-  that its supervisor starts it again, rather than staying up idle;
-- a step of the wall clock: said in the log (`clock_steps`);
-- every few minutes, the WAL checkpointed and truncated, and free pages given back.
+On a shared host its files are watched by a keeper thread
+(`embedded_keeper.py`), and kept this user's alone (`ledger_file.py`,
+`filelocks.py`): what cannot be mended ends the process for its supervisor.
 """
 
 from __future__ import annotations
@@ -29,7 +17,6 @@ import contextlib
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -46,24 +33,18 @@ from scheduler.backends.base import (
     FinishRequest,
     FinishResult,
     Retries,
-    SessionLost,
     Unavailable,
 )
-from scheduler.backends.clock_steps import ClockWatch
+from scheduler.backends.embedded_keeper import Keeper
 from scheduler.backends.embedded_steps import Steps
-from scheduler.backends.filelocks import KEEP_EVERY, FileLocks, Kept
-from scheduler.backends.ledger_file import LedgerFile, process_state
+from scheduler.backends.filelocks import KEEP_EVERY, FileLocks
+from scheduler.backends.ledger_file import JOURNAL_SIZE_LIMIT, LedgerFile, process_state
 from scheduler.backends.schema import CURRENT_VERSION, migrate
 from scheduler.errors import ConfigError
 
 log = logging.getLogger("scheduler.embedded")
 
-EXIT_RESTART = 70  # the process cannot go on safely; its supervisor should start it again
 READ_ONLY = "scheduler_read_only"  # an execution option: a deferred BEGIN, no write lock
-MAINTAIN_EVERY = 600.0  # seconds between WAL truncations and incremental vacuums
-JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes a reset WAL is truncated to
-VACUUM_PAGES = 2000  # free pages given back per look, in one short write
-IN_USE_PATIENCE = 10.0  # seconds a start waits for a loose ledger to be let go
 
 
 def sqlite_engine(file: LedgerFile, busy_timeout: float = 30.0) -> Engine:
@@ -136,8 +117,6 @@ class EmbeddedBackend:
         self.namespace = namespace
         self.clock = clock
         self.busy_timeout = busy_timeout
-        self.keep_every = keep_every
-        self.exit = exit
         self.engine = sqlite_engine(self.file, busy_timeout)
         self.locks = FileLocks(
             database.parent / f"{database.name}.locks",
@@ -146,17 +125,11 @@ class EmbeddedBackend:
             wall=wall,
             monotonic=monotonic,
         )
-        self.clock_watch = ClockWatch(wall, monotonic)
-        self.broken: str | None = None  # why this process had to end (see `_end`)
+        self.keeper = Keeper(
+            self.locks, self.file, monotonic=monotonic, wall=wall, every=keep_every, exit=exit
+        )
         self._conn: Connection | None = None
         self._requests_looked = -1e9  # monotonic: when requests_pending last looked
-        self._wake: tuple[int, int] | None = None  # the pipe `fileno` reads, per session
-        self._lost: str | None = None  # why the session's locks are lost
-        self._keeping: threading.Event | None = None
-        self._keeper: threading.Thread | None = None
-        self._opened: tuple[int, int] | None = None  # the ledger file the session opened
-        self._companions: dict[Path, tuple[int, int]] = {}  # its -wal and -shm, last seen
-        self._maintained = monotonic()
 
     # -- the session ---------------------------------------------------------------------
 
@@ -166,7 +139,7 @@ class EmbeddedBackend:
             repaired = self.locks.make_folder()
             opened = self.file.identity()
             if opened is None:
-                self._end(f"{self.database}: the ledger is gone (removed while replicas ran?)")
+                self.keeper.end(f"{self.database}: the ledger is gone (removed while running?)")
                 raise Unavailable(f"{self.database}: the ledger is gone")
             self._conn = self.engine.connect()
             self.locks.join(self.instance)
@@ -175,31 +148,14 @@ class EmbeddedBackend:
             raise Unavailable(str(exc)) from None
         if repaired:
             log.warning("lock files made this user's alone: %s", "; ".join(repaired))
-        self._opened, self._lost = opened, None
-        self._wake = os.pipe()
-        os.set_blocking(self._wake[0], False)
-        os.set_blocking(self._wake[1], False)
-        self._keeping = threading.Event()
-        self._keeper = threading.Thread(
-            target=self._keep, args=(self._keeping,), name="embedded-keeper", daemon=True
-        )
-        self._keeper.start()
+        self.keeper.start(opened)
 
     def close(self) -> None:
-        keeping, keeper = self._keeping, self._keeper
-        self._keeping = self._keeper = None
-        if keeping is not None:
-            keeping.set()
-        if keeper is not None and keeper is not threading.current_thread():
-            keeper.join(timeout=5)
+        self.keeper.stop()
         self.locks.release_all()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
-        wake, self._wake = self._wake, None
-        for fd in wake or ():
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
     def verify(self) -> None:
         """At start-up: what no retry mends ends it (ConfigError: exit 2, one line)."""
@@ -218,33 +174,15 @@ class EmbeddedBackend:
         if repaired:
             log.warning("lock files made this user's alone: %s", "; ".join(repaired))
         with self.locks.alone("ledger"):  # replicas starting together: one at a time
-            self._set_aside_orphans()
-            self._mend_loose()
-            self._incremental_vacuum_once()
-
-    def _mend_loose(self) -> None:
-        """Ledger files an older version left open to others: copied into a new file
-        while no process uses them; refused if one keeps them open (an older replica)."""
-        deadline = self.monotonic() + IN_USE_PATIENCE
-        while loose := self.file.loose():
-            pid = self.file.in_use()
-            if pid is None:
-                self.file.rewrite()
+            self.file.set_aside_orphans()
+            if self.file.mend_loose(self.monotonic):
                 self.engine.dispose()  # no pooled connection may keep the old file
-                log.warning(
-                    "%s: other users could open the ledger (%s): copied it into a new file, "
-                    "this user's alone (a descriptor opened on the old one reads nothing new)",
-                    self.database,
-                    ", ".join(f"{path.name} mode {mode:o}" for path, mode in loose),
-                )
-                return
-            if self.monotonic() > deadline:
-                raise self.file.refuse_loose(loose, pid)
-            time.sleep(0.2)  # a replica starting beside this one may be closing it
+            if not self.locks.live_instances():
+                self.file.incremental_vacuum_once(self.busy_timeout)
 
     def migrate(self) -> int:
         self.file.refuse_unreadable()
-        self._set_aside_orphans()
+        self.file.set_aside_orphans()
         self.file.create()
         with self.engine.connect() as conn:  # a look first, which waits for no writer
             conn.execution_options(**{READ_ONLY: True})
@@ -257,18 +195,24 @@ class EmbeddedBackend:
             return migrate(conn, self.namespace)
 
     def fileno(self) -> int | None:
-        """Readable when the keeper found a lock it cannot take back (check_alive says)."""
-        return None if self._wake is None else self._wake[0]
+        return self.keeper.fileno()
 
     def abort(self) -> None:
         return None  # no call can hang on a dead server
 
     def check_alive(self) -> None:
-        if self._wake is not None:
-            with contextlib.suppress(OSError):
-                os.read(self._wake[0], 4096)
-        if self._lost is not None:
-            raise SessionLost(self._lost)
+        self.keeper.check_alive()
+
+    def keep_once(self) -> bool:
+        """One look of the keeper (its thread does this twice a second)."""
+        return self.keeper.look()
+
+    @property
+    def broken(self) -> str | None:
+        return self.keeper.broken
+
+    def maintain(self) -> None:
+        self.file.maintain()
 
     def heartbeat(self) -> datetime:
         return self.clock()
@@ -299,11 +243,13 @@ class EmbeddedBackend:
         return (at - self.clock()).total_seconds()
 
     def _peek(self, query: str) -> Any:
-        """One value, read outside any transaction: no BEGIN IMMEDIATE, so no writer waits."""
+        """One value, read outside any transaction: no BEGIN IMMEDIATE, so no writer waits.
+        Read to the end: a statement left unfinished would hold its snapshot, and with
+        it the WAL, from shrinking."""
         assert self._conn is not None, "not connected"
         driver = self._conn.connection.driver_connection
-        found = driver.execute(query).fetchone()  # type: ignore[union-attr]
-        return found[0] if found else None
+        found = driver.execute(query).fetchall()  # type: ignore[union-attr]
+        return found[0][0] if found else None
 
     def claim_retries(
         self, instance: str, keys: Sequence[int], capacity: int, crashed: str
@@ -445,147 +391,6 @@ class EmbeddedBackend:
         return (
             f"its write lock is held by {who}, {state}: every replica's claims and finishes "
             "wait until it resumes or ends (SIGCONT or end it)"
-        )
-
-    # -- the keeper ----------------------------------------------------------------------
-
-    def _keep(self, keeping: threading.Event) -> None:
-        while not keeping.wait(self.keep_every):
-            try:
-                if not self.keep_once():
-                    return
-            except Exception:
-                log.exception("the embedded keeper failed (continuing)")
-
-    def keep_once(self) -> bool:
-        """One look (see the module's docstring); False once the session is done for."""
-        kept = self.locks.keep()
-        if kept.broken:
-            self._end(
-                "file descriptors of this replica were closed under it (a job that closes "
-                f"descriptors it did not open?): {', '.join(kept.broken)}; it can no longer "
-                "tell which job locks it holds"
-            )
-            return False
-        if not self._ledger_still_ours():
-            return False
-        if kept.news or kept.failed:
-            self._tell(kept)
-        if kept.failed or kept.lost:
-            self._lose(
-                kept.failed
-                or "the lock file of job key(s) "
-                + ", ".join(map(str, kept.lost))
-                + " was replaced and another process holds the new one"
-            )
-            return False
-        self.clock_watch.look()
-        if self.monotonic() - self._maintained > MAINTAIN_EVERY:
-            self._maintained = self.monotonic()
-            self.maintain()
-        return True
-
-    def _ledger_still_ours(self) -> bool:
-        """The ledger at its path is the file this session opened (else the process ends)."""
-        found = self.file.identity()
-        if found == self._opened:
-            self._companions = self.file.identities()
-            return True
-        moved = self.file.set_aside(self._companions)
-        aside = f"; its -wal and -shm are set aside as {', '.join(map(str, moved))}" * bool(moved)
-        self._end(
-            f"{self.database}: the ledger was {'removed' if found is None else 'replaced'} "
-            f"while this replica had it open{aside}: the replicas must all start again on one "
-            "ledger, and SQLite must not open a new one beside the old one's -wal"
-        )
-        return False
-
-    def _tell(self, kept: Kept) -> None:
-        done = []
-        if kept.remade_folder:
-            done.append(f"the lock folder {self.locks.folder} had vanished: made it again")
-        if kept.retaken:
-            done.append(f"took back the locks of job key(s) {', '.join(map(str, kept.retaken))}")
-        if kept.lost:
-            done.append(f"lost the locks of job key(s) {', '.join(map(str, kept.lost))}")
-        if kept.rejoined:
-            done.append("made this replica's presence file again")
-        if kept.failed:
-            done.append(f"cannot make the lock folder again: {kept.failed}")
-        text = "; ".join(done)
-        log.warning("lock files removed under this replica (a temp cleaner?): %s", text)
-        at = datetime.now(UTC).isoformat(timespec="seconds")
-        self.locks.note(f"{at}: {text}")
-
-    def _lose(self, reason: str) -> None:
-        """Tell the gate as a lost session is told: its runs' lock_lost, then a new session."""
-        log.error("%s: this replica's runs are told their locks are lost", reason)
-        self._lost = reason
-        if self._wake is not None:
-            with contextlib.suppress(OSError):
-                os.write(self._wake[1], b"!")
-
-    def _end(self, reason: str) -> None:
-        self.broken = reason
-        log.critical(
-            "%s: exiting now with status %d so that a supervisor starts it again",
-            reason,
-            EXIT_RESTART,
-        )
-        self.exit(EXIT_RESTART)
-
-    # -- the ledger's size ---------------------------------------------------------------
-
-    def maintain(self) -> None:
-        """Truncate the WAL and give back free pages, each waiting a moment at most: a
-        long reader only makes this wait for the next look, and no claim waits for it."""
-        try:
-            with contextlib.closing(self._raw(timeout=0.1)) as conn:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
-                    conn.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
-        except sqlite3.Error as exc:
-            log.debug("ledger upkeep skipped: %s", exc)
-
-    def _incremental_vacuum_once(self) -> None:
-        """A ledger made before incremental vacuum, rewritten once, while no replica runs."""
-        if not self.database.exists() or self.locks.live_instances():
-            return
-        try:
-            with contextlib.closing(self._raw(timeout=self.busy_timeout)) as conn:
-                if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
-                    return
-                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 0:
-                    return
-                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-                conn.execute("VACUUM")
-        except sqlite3.Error as exc:
-            log.warning("could not set the ledger up for incremental vacuum: %s", exc)
-            return
-        log.info("the ledger now gives pages it no longer needs back to the disk")
-
-    def _raw(self, timeout: float) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.file.uri(), uri=True, timeout=timeout, isolation_level=None)
-        conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
-        return conn
-
-    def _set_aside_orphans(self) -> None:
-        """A -wal or -shm with no ledger beside it belongs to a ledger that was removed:
-        SQLite would read it into a new one. Wait while a process still has it open."""
-        orphans = self.file.orphans()
-        if not orphans:
-            return
-        pid = self.file.in_use()
-        if pid is not None:
-            raise Unavailable(
-                f"{self.database} is missing but process {pid} still has the removed ledger "
-                "open; waiting for it to end"
-            )
-        moved = self.file.set_aside(self.file.identities())
-        log.warning(
-            "%s was removed: set its -wal and -shm aside (%s); starting a new ledger",
-            self.database,
-            ", ".join(map(str, moved)),
         )
 
 

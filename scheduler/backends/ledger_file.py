@@ -12,17 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import pwd
 import sqlite3
 import stat
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+from scheduler.backends.base import Unavailable
 from scheduler.errors import ConfigError
 
+log = logging.getLogger("scheduler.embedded")
+
+JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes a reset WAL is truncated to
+VACUUM_PAGES = 2000  # free pages given back per look, in one short write
+IN_USE_PATIENCE = 10.0  # seconds a start waits for a loose ledger to be let go
 COMPANIONS = ("-wal", "-shm")
 # SQLite's unix VFS keeps its WAL locks in -shm from byte 120: the write lock first,
 # then the checkpointer's, the recoverer's and the readers'; byte 128 ("DMS") is held
@@ -186,6 +194,80 @@ class LedgerFile:
     def write_lock_holder(self) -> int | None:
         """The process holding SQLite's WAL write lock (another one: ours are not seen)."""
         return lock_holder(self.path.with_name(self.path.name + "-shm"), WAL_WRITE_LOCK)
+
+    # -- start-up and upkeep ---------------------------------------------------------------
+
+    def set_aside_orphans(self) -> None:
+        """A -wal or -shm with no ledger beside it belongs to a ledger that was removed:
+        SQLite would read it into a new one. Wait while a process still has it open."""
+        if not self.orphans():
+            return
+        pid = self.in_use()
+        if pid is not None:
+            raise Unavailable(
+                f"{self.path} is missing but process {pid} still has the removed ledger "
+                "open; waiting for it to end"
+            )
+        moved = self.set_aside(self.identities())
+        log.warning(
+            "%s was removed: set its -wal and -shm aside (%s); starting a new ledger",
+            self.path,
+            ", ".join(map(str, moved)),
+        )
+
+    def mend_loose(self, monotonic: Callable[[], float]) -> bool:
+        """Ledger files an older version left open to others: copied into a new file
+        while no process uses them (True), refused if one keeps them open (ConfigError)."""
+        deadline = monotonic() + IN_USE_PATIENCE
+        while loose := self.loose():
+            pid = self.in_use()
+            if pid is None:
+                self.rewrite()
+                log.warning(
+                    "%s: other users could open the ledger (%s): copied it into a new file, "
+                    "this user's alone (a descriptor opened on the old one reads nothing new)",
+                    self.path,
+                    ", ".join(f"{path.name} mode {mode:o}" for path, mode in loose),
+                )
+                return True
+            if monotonic() > deadline:
+                raise self.refuse_loose(loose, pid)
+            time.sleep(0.2)  # a replica starting beside this one may be closing it
+        return False
+
+    def incremental_vacuum_once(self, busy_timeout: float) -> None:
+        """A ledger made before incremental vacuum, rewritten once (call with no replica
+        up: the rewrite holds the write lock throughout)."""
+        if not self.path.exists():
+            return
+        try:
+            with contextlib.closing(self.raw(busy_timeout)) as conn:
+                if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+                    return
+                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 0:
+                    return
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                conn.execute("VACUUM")
+        except sqlite3.Error as exc:
+            log.warning("could not set the ledger up for incremental vacuum: %s", exc)
+            return
+        log.info("the ledger now gives pages it no longer needs back to the disk")
+
+    def maintain(self) -> None:
+        """Truncate the WAL and give back free pages, each waiting a moment at most: a
+        long reader only makes this wait for the next time, and no claim waits for it."""
+        try:
+            with contextlib.closing(self.raw(timeout=0.1)) as conn:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+                    conn.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
+        except sqlite3.Error as exc:
+            log.debug("ledger upkeep skipped: %s", exc)
+
+    def raw(self, timeout: float) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.uri(), uri=True, timeout=timeout, isolation_level=None)
+        conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
+        return conn
 
 
 def lock_holder(path: Path, offset: int) -> int | None:

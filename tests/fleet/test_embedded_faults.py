@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from scheduler.backends.embedded import EXIT_RESTART
+from scheduler.backends.embedded_keeper import EXIT_RESTART
 from tests.support import Fleet, parse_tick, wait_for
 
 JOBS = ["shared_host.py"]

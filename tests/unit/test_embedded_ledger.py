@@ -17,9 +17,11 @@ import time
 import pytest
 
 from scheduler import ledger
-from scheduler.backends import embedded
+from scheduler.backends import ledger_file
 from scheduler.backends.base import Outcome, Unavailable
-from scheduler.backends.embedded import EXIT_RESTART, JOURNAL_SIZE_LIMIT, LedgerBusy
+from scheduler.backends.embedded import LedgerBusy
+from scheduler.backends.embedded_keeper import EXIT_RESTART
+from scheduler.backends.ledger_file import JOURNAL_SIZE_LIMIT
 from scheduler.catalog import load_catalog
 from scheduler.config import load_config
 from scheduler.errors import ConfigError
@@ -92,7 +94,7 @@ def held_open(database):
 def test_ledger_files_others_can_read_are_refused_while_in_use(
     tmp_path, replicas, name, monkeypatch
 ):
-    monkeypatch.setattr(embedded, "IN_USE_PATIENCE", 0.5)
+    monkeypatch.setattr(ledger_file, "IN_USE_PATIENCE", 0.5)
     a = replicas("a")
     claim(a, tick())
     a.close()

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler import events
 from scheduler.backends.base import Outcome, SessionLost
-from scheduler.backends.embedded import EXIT_RESTART
+from scheduler.backends.embedded_keeper import EXIT_RESTART
 from scheduler.errors import ConfigError
 from scheduler.gate import Gate
 from tests.support import Recorder, make_job, now_tick, wait_for
