@@ -34,6 +34,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler.backends import lock_holders as holders
+from scheduler.backends.lock_holders import Holder
+
 # A lock file younger than this may have replaced, at its path, one a live run still
 # holds: that run's keeper takes the new file within KEEP_EVERY, far sooner.
 SETTLE_S = 5.0
@@ -41,55 +44,6 @@ KEEP_EVERY = 0.5  # seconds between the keeper's looks (EmbeddedBackend runs it)
 RETAKE_TRIES = 10  # a claim elsewhere may hold the new file for a moment: try again
 RETAKE_PAUSE = 0.02
 STAMP_MAX = 4096  # bytes of a lock or presence file read back
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who took a lock file last, as written into it: enough to tell if that process lives."""
-
-    instance: str
-    pid: int
-    start: str  # the process's start time (/proc/<pid>/stat): a reused pid is another process
-    pidns: int  # its pid namespace: another namespace's pid means nothing here
-    token: str  # the FileLocks session within that process
-
-    def encode(self, **extra: object) -> bytes:
-        fields = {
-            "instance": self.instance,
-            "pid": self.pid,
-            "start": self.start,
-            "pidns": self.pidns,
-            "token": self.token,
-            **extra,
-        }
-        return json.dumps(fields).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> Holder | None:
-        try:
-            found = json.loads(data)
-            return cls(
-                str(found["instance"]),
-                int(found["pid"]),
-                str(found["start"]),
-                int(found["pidns"]),
-                str(found["token"]),
-            )
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def alive(self) -> bool:
-        """The process still runs (and, in this process, its FileLocks session is open).
-
-        A pid of another pid namespace cannot be judged here: taken as gone, so the
-        flock alone decides, as it always did.
-        """
-        me = _me()
-        if self.pidns != me.pidns:
-            return False
-        if self.pid == me.pid and self.start == me.start:
-            return self.token in _OPEN_SESSIONS
-        return _process_start(self.pid) == self.start
 
 
 @dataclass
@@ -345,7 +299,7 @@ class FileLocks:
                 self.instance = instance
             self._token = secrets.token_hex(8)
             self._since = self.wall()
-            _OPEN_SESSIONS.add(self._token)
+            holders.open_session(self._token)
             self._presence = self._join()
 
     def _join(self) -> _Held:
@@ -374,8 +328,7 @@ class FileLocks:
         return self._holder().encode(since=self._since, note=self._note)
 
     def _holder(self) -> Holder:
-        me = _me()
-        return Holder(self.instance, me.pid, me.start, me.pidns, self._token)
+        return holders.me(self.instance, self._token)
 
     def release_all(self) -> None:
         with self._guard:
@@ -384,7 +337,7 @@ class FileLocks:
             if self._presence is not None:
                 _release(self._presence.fd)
                 self._presence = None
-            _OPEN_SESSIONS.discard(self._token)
+            holders.close_session(self._token)
 
     def live_instances(self) -> list[dict[str, object]]:
         """Instances whose presence file is held; each with what its file says."""
@@ -504,54 +457,10 @@ class FileLocks:
         self._guard = threading.RLock()
 
 
-@dataclass(frozen=True)
-class _Process:
-    pid: int
-    start: str
-    pidns: int
-
-
 _ALL: weakref.WeakSet[FileLocks] = weakref.WeakSet()
-_OPEN_SESSIONS: set[str] = set()  # tokens of this process's FileLocks sessions now open
-_ME: _Process | None = None
-
-
-def _me() -> _Process:
-    global _ME
-    if _ME is None or _ME.pid != os.getpid():
-        pid = os.getpid()
-        _ME = _Process(pid, _process_start(pid) or "", _pid_namespace())
-    return _ME
-
-
-def _process_start(pid: int) -> str | None:
-    """The start time of a live process (clock ticks since boot), None if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except FileNotFoundError:
-        return None
-    except (OSError, IndexError):  # no /proc here: whether the pid exists, at least
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return ""
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 def _forget_all_after_fork() -> None:
-    global _ME
-    _ME = None
-    _OPEN_SESSIONS.clear()
     for locks in list(_ALL):
         locks._forget_after_fork()
 
