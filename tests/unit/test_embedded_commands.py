@@ -151,7 +151,7 @@ def test_a_second_replica_of_the_same_name_is_refused_at_once(tmp_path):
         second = scheduler(config, "run", instance="r1", timeout=60)
         assert second.returncode == 2, second.stderr
         assert time.monotonic() - started < 20
-        assert "'r1' is in use by a live replica" in second.stderr.splitlines()[-1]
+        assert "'r1' is in use by a live replica" in second.stderr, second.stderr
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(30)
