@@ -258,9 +258,11 @@ class LedgerFile:
         long reader only makes this wait for the next time, and no claim waits for it."""
         try:
             with contextlib.closing(self.raw(timeout=0.1)) as conn:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
                 if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
-                    conn.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
+                    # executescript steps it to its end (execute frees a single page)
+                    conn.executescript(f"PRAGMA incremental_vacuum({VACUUM_PAGES});")
+                # Then the checkpoint, which also shortens the file by what was freed.
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except sqlite3.Error as exc:
             log.debug("ledger upkeep skipped: %s", exc)
 

@@ -26,7 +26,6 @@ from scheduler.catalog import load_catalog
 from scheduler.config import load_config
 from scheduler.errors import ConfigError
 from scheduler.status import fleet_status, history
-from tests.support import wait_for
 from tests.unit.embedded_helpers import (
     Replica,
     claim,
@@ -314,4 +313,4 @@ def test_the_wal_shrinks_again_after_a_long_reader(tmp_path, replicas):
     before = pages()
     a.maintain()
     assert wal.stat().st_size < grown / 10
-    wait_for(lambda: pages() < before, 5, "free pages to be given back")
+    assert pages() < before - 500  # the 40 rows' pages went back to the disk
