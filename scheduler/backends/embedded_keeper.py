@@ -31,6 +31,7 @@ from scheduler.backends.base import SessionLost
 from scheduler.backends.clock_steps import ClockWatch
 from scheduler.backends.filelocks import FileLocks, Kept
 from scheduler.backends.ledger_file import LedgerFile
+from scheduler.errors import one_line
 
 log = logging.getLogger("scheduler.embedded")
 
@@ -97,12 +98,15 @@ class Keeper:
             raise SessionLost(self._lost)
 
     def _run(self, stop: threading.Event) -> None:
+        said = None
         while not stop.wait(self.every):
             try:
                 if not self.look():
                     return
-            except Exception:
-                log.exception("the embedded keeper failed (continuing)")
+            except Exception as exc:  # said once, not twice a second
+                if one_line(exc) != said:
+                    said = one_line(exc)
+                    log.warning("the embedded keeper failed (trying again): %s", said)
 
     def look(self) -> bool:
         """One look (see the module's docstring); False once the session is done for."""

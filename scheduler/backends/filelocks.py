@@ -391,7 +391,11 @@ class FileLocks:
                         kept.lost.append(key)
             presence = self._presence
             if presence is not None and _same(self.presence_path, presence.fd) is None:
-                self._presence = self._join()
+                try:
+                    self._presence = self._join()
+                except OSError as exc:  # a full disk, say: this replica is not seen as live
+                    kept.failed = f"cannot make the presence file again: {exc}"
+                    return kept
                 _release(presence.fd)
                 kept.rejoined = True
         return kept

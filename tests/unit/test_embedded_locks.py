@@ -186,3 +186,16 @@ def test_a_closed_lock_descriptor_ends_the_replica_and_no_second_run_starts(repl
     third = claim(b, tick(8))
     assert (third.outcome, third.crashed) == (Outcome.RUN, 1)
     assert statuses(b)[first.scheduled_at] == "crashed"
+
+
+def test_a_presence_file_that_cannot_be_made_again_is_a_lost_session(replicas, monkeypatch):
+    a = replicas("a")
+    a.locks.presence_path.unlink()
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(a.locks, "_join", full)
+    assert not a.keep_once()
+    with pytest.raises(SessionLost, match="cannot make the presence file again"):
+        a.check_alive()
