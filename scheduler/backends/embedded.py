@@ -33,6 +33,7 @@ from scheduler.backends.base import (
     FinishRequest,
     FinishResult,
     Retries,
+    SessionLost,
     Unavailable,
 )
 from scheduler.backends.embedded_keeper import Keeper
@@ -47,7 +48,11 @@ log = logging.getLogger("scheduler.embedded")
 READ_ONLY = "scheduler_read_only"  # an execution option: a deferred BEGIN, no write lock
 
 
-def sqlite_engine(file: LedgerFile, busy_timeout: float = 30.0) -> Engine:
+def sqlite_engine(
+    file: LedgerFile,
+    busy_timeout: float = 30.0,
+    before: Callable[[], None] = lambda: None,
+) -> Engine:
     """SQLite in WAL mode; writes BEGIN IMMEDIATE (writers queue), reads a deferred BEGIN.
 
     A read-only transaction (execution option READ_ONLY) takes no write lock:
@@ -71,6 +76,10 @@ def sqlite_engine(file: LedgerFile, busy_timeout: float = 30.0) -> Engine:
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         cursor.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
         cursor.close()
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _before(*_args: Any) -> None:
+        before()  # every statement, on every connection: see EmbeddedBackend._intact
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
@@ -117,7 +126,7 @@ class EmbeddedBackend:
         self.namespace = namespace
         self.clock = clock
         self.busy_timeout = busy_timeout
-        self.engine = sqlite_engine(self.file, busy_timeout)
+        self.engine = sqlite_engine(self.file, busy_timeout, before=self._intact)
         self.locks = FileLocks(
             database.parent / f"{database.name}.locks",
             namespace,
@@ -203,6 +212,13 @@ class EmbeddedBackend:
     def check_alive(self) -> None:
         self.keeper.check_alive()
 
+    def _intact(self) -> None:
+        """Before any ledger statement: a process whose descriptors a job closed ends
+        here, before SQLite writes to a number that may name the job's own file now."""
+        if not self.locks.presence_intact():
+            self.keeper.descriptors_lost("its presence file's")
+            raise SessionLost("this replica's descriptors were closed under it")
+
     def keep_once(self) -> bool:
         """One look of the keeper (its thread does this twice a second)."""
         return self.keeper.look()
@@ -247,6 +263,7 @@ class EmbeddedBackend:
         Read to the end: a statement left unfinished would hold its snapshot, and with
         it the WAL, from shrinking."""
         assert self._conn is not None, "not connected"
+        self._intact()
         driver = self._conn.connection.driver_connection
         found = driver.execute(query).fetchall()  # type: ignore[union-attr]
         return found[0][0] if found else None

@@ -112,11 +112,7 @@ class Keeper:
         """One look (see the module's docstring); False once the session is done for."""
         kept = self.locks.keep()
         if kept.broken:
-            self.end(
-                "file descriptors of this replica were closed under it (a job that closes "
-                f"descriptors it did not open?): {', '.join(kept.broken)}; it can no longer "
-                "tell which job locks it holds"
-            )
+            self.descriptors_lost(", ".join(kept.broken))
             return False
         if not self._ledger_still_ours():
             return False
@@ -135,6 +131,13 @@ class Keeper:
             self._maintained = self.monotonic()
             self.file.maintain()
         return True
+
+    def descriptors_lost(self, which: str) -> None:
+        self.end(
+            "file descriptors of this replica were closed under it (a job that closes "
+            f"descriptors it did not open?): {which}; it can no longer tell which job locks "
+            "it holds, and SQLite would write to whatever those numbers name now"
+        )
 
     def end(self, reason: str) -> None:
         """The process cannot go on: say why, and exit at once for a supervisor."""

@@ -360,6 +360,13 @@ class FileLocks:
 
     # -- the keeper ---------------------------------------------------------------------
 
+    def presence_intact(self) -> bool:
+        """The presence descriptor is still ours: a cheap sign, before each ledger statement,
+        that no job has closed this process's descriptors (whose numbers SQLite would
+        otherwise go on writing to, whatever they name now)."""
+        presence = self._presence
+        return presence is None or _still(presence)
+
     def keep(self) -> Kept:
         """Check every descriptor and every path we hold; take back what moved.
 

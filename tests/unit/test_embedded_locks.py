@@ -199,3 +199,14 @@ def test_a_presence_file_that_cannot_be_made_again_is_a_lost_session(replicas, m
     assert not a.keep_once()
     with pytest.raises(SessionLost, match="cannot make the presence file again"):
         a.check_alive()
+
+
+def test_a_replica_whose_descriptors_were_closed_writes_nothing_more_to_the_ledger(replicas):
+    """SQLite would write to its old descriptor numbers, whatever a job has opened on them
+    since: the check comes before every statement, not at the keeper's next look."""
+    a, b = replicas("a"), replicas("b")
+    os.close(a.locks._presence.fd)  # the job's os.closerange(3, 1000)
+    with pytest.raises(SessionLost, match="closed under it"):
+        claim(a, tick())
+    assert a.exits == [EXIT_RESTART]
+    assert statuses(b) == {}
