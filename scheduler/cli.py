@@ -214,6 +214,14 @@ def _main(argv: Sequence[str] | None) -> int:
     except ConfigError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except PermissionError as exc:  # another user's files (the embedded ledger, its locks)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(
+            f"scheduler: {where}permission denied: run this command as the user who runs "
+            "the replicas",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -401,7 +409,10 @@ def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> i
     print(f"backend: {document['backend']}; {len(instances)} live instance(s)")
     for instance in instances:
         since = f" since {instant(instance['since'], tz)}" if instance["since"] else ""
-        print(f"  {instance['name']}{since} ({instance['address'] or 'local'})")
+        note = f": {printable(instance['note'])}" if instance.get("note") else ""
+        print(f"  {instance['name']}{since} ({instance['address'] or 'local'}){note}")
+    for note in document["notes"]:
+        print(f"note: {printable(note)}")
     rows = []
     for job in document["jobs"]:
         run, last, paused = job["running"], job["last_run"], job["paused"]

@@ -517,7 +517,9 @@ _TOP_LEVEL = {"scheduler", "jobs"}
 
 
 def config_path(flag: str | None) -> Path:
-    return Path(flag or os.environ.get(f"{ENV_PREFIX}CONFIG") or "config.yaml")
+    """Absolute, read once: a job may change the working folder (`os.chdir`), and a
+    reload must still find the same file."""
+    return Path(flag or os.environ.get(f"{ENV_PREFIX}CONFIG") or "config.yaml").absolute()
 
 
 def load_config(flag_config: str | None = None, **flags: Any) -> Config:
@@ -538,6 +540,8 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
     overrides = {k: v for k, v in flags.items() if v is not None}
     overrides["config"] = path
     settings = _settings(section, overrides)
+    if settings.jobs_path is not None and not settings.jobs_path.is_absolute():
+        settings = settings.model_copy(update={"jobs_path": settings.jobs_path.absolute()})
     jobs_section = document.get("jobs") or {}
     if not isinstance(jobs_section, dict):
         raise ConfigError(f"{path}: jobs: must be a mapping of job name to schedule")

@@ -123,11 +123,16 @@ class Housekeeping:
             if job is None or r.instance not in live or r.until is not None:
                 continue
             if r.name != job.name:
+                apart = (
+                    "its own folder (config.yaml, and the scheduler.db beside it)"
+                    if self.settings.embedded
+                    else "its own schema (setting `schema`)"
+                )
                 raise ConfigError(
                     f"job key {r.key} is {job.name!r} here ({job.spec.source}) but "
                     f"{r.name!r} on the live replica {r.instance}: two fleets (or two versions "
-                    "of one) share this ledger. Give each fleet its own schema (setting "
-                    "`schema`), or rename the job once no replica runs the old name"
+                    f"of one) share this ledger. Give each fleet {apart}, or rename the job "
+                    "once no replica runs the old name"
                 )
 
     def start(self) -> None:
@@ -292,6 +297,9 @@ class Housekeeping:
         """
         if registered is None:
             registered = ledger.registrations_of(conn)
+        # Never past the ledger's clock as it reads now: a `now` from a clock that has
+        # since stepped back would name ticks that are not due yet.
+        now = min(now, self.backend.now(conn))
         expected = self._expected(states, previous, now, registered)
         if not expected:
             return 0

@@ -9,21 +9,29 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Engine
+
 from scheduler import agreement, ledger, pauses
 from scheduler.backends import Backend
+from scheduler.backends.embedded import READ_ONLY
 from scheduler.catalog import Catalog, schedule_text
 from scheduler.statuses import FINISHED
 
 
+def _reading(backend: Backend) -> Engine:
+    """Reads only: on SQLite a deferred BEGIN, so no writer holds them up."""
+    return backend.ledger_engine.execution_options(**{READ_ONLY: True})
+
+
 def history(backend: Backend, wanted: ledger.TickFilter) -> list[dict[str, Any]]:
-    with backend.ledger_engine.connect() as conn:
+    with _reading(backend).connect() as conn:
         return [row.as_json() for row in ledger.history(conn, wanted)]
 
 
 def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]]:
     """For `scheduler check`: (agrees, what) per job the live replicas run otherwise than
     this config.yaml says, or than one another; one (True, ...) line when all agree."""
-    with backend.ledger_engine.connect() as conn:
+    with _reading(backend).connect() as conn:
         live = {i["name"] for i in backend.live_instances(conn)}
         variants = agreement.live_schedules(ledger.registrations_of(conn), live)
     out = []
@@ -43,9 +51,9 @@ def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]
 
 
 def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str, Any]:
-    # One transaction: on SQLite this is BEGIN IMMEDIATE, so probing the file
-    # locks can never make a concurrent claim see its lock as taken.
-    with backend.ledger_engine.begin() as conn:
+    # One read transaction; the embedded backend reads its file locks without taking
+    # any (a probe could make a concurrent claim see its lock as taken).
+    with _reading(backend).begin() as conn:
         instances = backend.live_instances(conn)
         holders = backend.lock_holders(conn)
         running = {row.key: row for row in ledger.running(conn)}
@@ -93,11 +101,19 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                     "schedules_agree": len(variants.get(job.key, [])) <= 1,
                 }
             )
+    notes = getattr(backend, "notes", None)
     return {
         "backend": backend.name,
         "instances": [
-            {"name": i["name"], "since": ledger.iso(i.get("since")), "address": i.get("address")}
+            {
+                "name": i["name"],
+                "since": ledger.iso(i.get("since")),
+                "address": i.get("address"),
+                **({"note": i["note"]} if i.get("note") else {}),
+            }
             for i in instances
         ],
         "jobs": jobs,
+        # What the backend finds wrong under the fleet (embedded: a lock folder that is gone).
+        "notes": notes() if callable(notes) else [],
     }

@@ -122,6 +122,8 @@ class LockStore(Protocol):
     # Locks that belong to a network session need a watchdog: a session that cannot be
     # proven alive for holder_timeout has lost them. Kernel file locks do not.
     needs_watchdog: bool
+    # Whether run-now requests wake the replica (PostgreSQL's NOTIFY); if not, it looks.
+    notifies_requests: bool
 
     def connect(self) -> None:
         """Open the lock session; raises Unavailable."""

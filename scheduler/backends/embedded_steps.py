@@ -65,6 +65,9 @@ class Steps:
     def __init__(self, conn: Connection, locks: FileLocks, instance: str, now: datetime) -> None:
         self.conn, self.locks, self.instance, self.now = conn, locks, instance, now
         self.taken: list[int] = []
+        # Job key -> (instance, tick) of its running rows, read once, by the first lock
+        # taken (each lock leaves its own tick out; this transaction is the only writer).
+        self._running: dict[int, list[tuple[str | None, datetime]]] | None = None
 
     # -- scheduler_claim ----------------------------------------------------------------
 
@@ -96,14 +99,12 @@ class Steps:
         out = []
         for tick in ticks:
             intent = tick.request.intent
-            if intent is Intent.MANUAL or (
+            first = intent is Intent.MANUAL or (
                 intent is Intent.CATCH_UP and tick.fate is Status.RUNNING
-            ):
-                if self.locks.try_lock(tick.key):
-                    self.taken.append(tick.key)
-                else:
-                    instance, since, _ = self._holder(tick.key, exclude=set())
-                    tick = replace(tick, fate=Outcome.HELD, holder=instance, holder_since=since)
+            )
+            if first and not self._lock(tick.key, tick.request.scheduled_at):
+                instance, since, _ = self._holder(tick.key, exclude=set())
+                tick = replace(tick, fate=Outcome.HELD, holder=instance, holder_since=since)
             out.append(tick)
         return out
 
@@ -138,11 +139,9 @@ class Steps:
     def take_locks(self, ticks: list[Tick]) -> list[Tick]:
         out = []
         for tick in ticks:
-            if tick.fate is Status.RUNNING and tick.request.intent is Intent.RUN:
-                if self.locks.try_lock(tick.key):
-                    self.taken.append(tick.key)
-                else:
-                    tick = replace(tick, fate=Status.SKIPPED)
+            wanted = tick.fate is Status.RUNNING and tick.request.intent is Intent.RUN
+            if wanted and not self._lock(tick.key, tick.request.scheduled_at):
+                tick = replace(tick, fate=Status.SKIPPED)
             out.append(tick)
         return out
 
@@ -372,9 +371,8 @@ class Steps:
             if len(started) >= capacity:
                 break
             due = row.retry_at <= self.now and all(r.key != row.job_key for r in started)
-            if not due or not self.locks.try_lock(row.job_key):
+            if not due or not self._lock(row.job_key, row.scheduled_at):
                 continue
-            self.taken.append(row.job_key)
             self.conn.execute(
                 insert(ledger.attempts)
                 .values(
@@ -449,6 +447,28 @@ class Steps:
         return list(self.conn.execute(query))
 
     # -- shared -------------------------------------------------------------------------
+
+    def _lock(self, key: int, tick: datetime) -> bool:
+        """The job's lock, kept only if it proves the job's other running rows stale.
+
+        Every path that takes a job's lock comes here. A flock alone is not that
+        proof: its file may have replaced one a live run still holds, or that run's
+        job may have closed its replica's descriptor (`FileLocks.proves_over`);
+        then the job counts as held, as it is.
+        """
+        if not self.locks.try_lock(key):
+            return False
+        if self._running is None:  # read once: this transaction is the only writer
+            self._running = {}
+            for row in ledger.running(self.conn):
+                self._running.setdefault(row.key, []).append((row.instance, row.scheduled_at))
+        others = {i or "" for i, at in self._running.get(key, []) if at != tick}
+        if not self.locks.proves_over(key, others):
+            self.locks.unlock(key)
+            return False
+        self.locks.stamp(key)
+        self.taken.append(key)
+        return True
 
     def _crash_others(self, r: ClaimRequest, message: str) -> Crashes:
         """With the job's lock in hand, its other `running` rows are stale: crashed."""

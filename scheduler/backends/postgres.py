@@ -109,6 +109,7 @@ class PostgresBackend:
 
     name = "postgresql"
     needs_watchdog = True
+    notifies_requests = True  # LISTEN on the lock session
 
     def __init__(
         self,

@@ -297,7 +297,7 @@ class Gate:
         retry = self.retries.wait()
         if retry is not None and self._free_slots() > 0:
             wait = min(wait, retry)
-        if self.desk is not None and self.backend.fileno() is None:
+        if self.desk is not None and not self.backend.notifies_requests:
             wait = min(wait, REQUESTS_LOOK_EVERY)  # no server notifies this backend of them
         return wait
 

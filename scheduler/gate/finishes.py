@@ -16,6 +16,7 @@ from datetime import datetime
 
 from scheduler import events
 from scheduler.backends.base import FinishRequest, FinishResult, LockStore, Outcome, SessionLost
+from scheduler.errors import one_line
 from scheduler.gate.runs import Ending, ManualResult, Run
 from scheduler.gate.session import LockSession
 from scheduler.schedules import tick_after
@@ -25,6 +26,27 @@ from scheduler.text import storable
 log = logging.getLogger("scheduler.gate")
 
 PLACEHOLDER_ERROR = "(the job's error text could not be stored: {reason})"
+SAY_EVERY = 30.0  # seconds: a failure that repeats (a full disk) is logged once per this
+
+
+class _Quiet:
+    """One line per failure, no traceback, at most one per `every` seconds; the next line
+    says how many were left unsaid (a full disk fails every attempt, every second)."""
+
+    def __init__(self, monotonic: Callable[[], float], every: float = SAY_EVERY) -> None:
+        self.monotonic, self.every = monotonic, every
+        self._next_at = -1e18
+        self._unsaid = 0
+
+    def warn(self, message: str, *args: object) -> None:
+        now = self.monotonic()
+        if now < self._next_at:
+            self._unsaid += 1
+            return
+        if self._unsaid:
+            message, args = message + " (and %d more like it unsaid)", (*args, self._unsaid)
+        log.warning(message, *args)
+        self._unsaid, self._next_at = 0, now + self.every
 
 
 class Finishes:
@@ -51,6 +73,7 @@ class Finishes:
         self._waiting: list[Run] = []
         # The next tick after a tick, per schedule: a burst's runs share both.
         self._next_due: dict[tuple[object, datetime], datetime | None] = {}
+        self._batch_failed, self._row_failed = _Quiet(monotonic), _Quiet(monotonic)
 
     def ended(self, run: Run, status: Status, error: str | None) -> None:
         """A run returned (any thread): its finish waits for the dispatcher."""
@@ -83,7 +106,9 @@ class Finishes:
             self._put_back(batch)
             raise
         except Exception as exc:
-            log.warning("recording %d finished run(s) failed (%s); one by one", len(batch), exc)
+            self._batch_failed.warn(
+                "recording %d finished run(s) failed (%s); one by one", len(batch), one_line(exc)
+            )
             results, left = self._one_by_one(batch)
             if left:
                 self._put_back(left)
@@ -120,8 +145,12 @@ class Finishes:
                     results += self._send([run], PLACEHOLDER_ERROR.format(reason=exc))
                 except SessionLost:
                     raise
-                except Exception:
-                    log.exception("cannot record the finish of %s; trying again", run.job.name)
+                except Exception as again:
+                    self._row_failed.warn(
+                        "cannot record the finish of %s (%s); trying again",
+                        run.job.name,
+                        one_line(again),
+                    )
                     left.append(run)
         return results, left
 

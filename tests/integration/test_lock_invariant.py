@@ -187,7 +187,7 @@ def _stale_row(replica: Replica, key: int, name: str) -> None:
 def busy_job(replica: Replica) -> Iterator[None]:
     """A run of job 900 goes on meanwhile: its lock must survive every give-back."""
     release = threading.Event()
-    job = make_job(900, lambda ctx: release.wait(30), name="busy")
+    job = make_job(900, lambda ctx: release.wait(300), name="busy")
     replica.gate.submit(job, now_tick(-1))
     settle(replica.gate, lambda: 900 in replica.gate._runs, "the busy run to start")
     try:
