@@ -7,10 +7,10 @@ them (`ledger.elect`): the work does not grow with the number of replicas.
 - Stale runs: a `running` row whose job lock nobody holds belongs to a
   replica that died; it is marked `crashed` even when the job's next tick is
   hours away.
-- Missed ticks: a tick that no replica claimed within its misfire grace (the
-  database was unreachable, or no replica was up) gets a `missed` row (or
-  `paused`, if the job is paused since before it), at most `MISSED_LIMIT` per
-  job per sweep.
+- Missed ticks: a tick that was due (scheduler.due) and that no replica
+  claimed within its misfire grace (the database was unreachable, or no
+  replica was up) gets a `missed` row (or `paused`, if the job is paused since
+  before it), at most `MISSED_LIMIT` per job per sweep.
 - Retention: rows older than `retention_days` are deleted in batches.
 """
 
@@ -22,14 +22,13 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from apscheduler.triggers.base import BaseTrigger
 from sqlalchemy import Connection
 
 from scheduler import agreement, ledger
-from scheduler.catalog import Catalog, CatalogJob, schedule_text, trigger_of
+from scheduler.catalog import Catalog, schedule_text
 from scheduler.config import Settings
+from scheduler.due import InForce
 from scheduler.errors import ConfigError, one_line
-from scheduler.schedules import tick_after, ticks_between
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 
 if TYPE_CHECKING:
@@ -92,8 +91,9 @@ class Housekeeping:
             engine, [(job.key, job.name, job.describe()) for job in self.catalog], now
         )
 
-    def reregister(self, catalog: Catalog) -> None:
-        """After a reload: the jobs and schedules this replica runs from now on.
+    def reregister(self, catalog: Catalog) -> datetime:
+        """After a reload: the jobs and schedules this replica runs from now on; returns
+        the instant (the ledger's) from which a changed schedule is in force.
 
         The clash check still applies (a reloaded file may name a key another
         way); this replica's own name is, of course, live.
@@ -105,6 +105,7 @@ class Housekeeping:
             self._register(conn, catalog, live - {self.settings.instance_name}, now)
         self.catalog = catalog
         ledger.track_jobs(engine, [(job.key, job.name, job.describe()) for job in catalog], now)
+        return now
 
     def _register(
         self, conn: Connection, catalog: Catalog, others: set[str], now: datetime
@@ -167,7 +168,7 @@ class Housekeeping:
             if sweep is not None:
                 done["crashed"] = self.sweep_crashed(conn, sweep[1])
             # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
-            ledger.reassert(conn, self.settings.instance_name)
+            ledger.reassert(conn, self.settings.instance_name, [job.key for job in self.catalog])
             if sweep is not None:
                 live = {i["name"] for i in self.backend.live_instances(conn)}
                 ledger.supersede(conn, live, sweep[1])
@@ -283,9 +284,8 @@ class Housekeeping:
 
         Each sweep looks at the ticks that left their grace since the previous
         sweep (or since the job was tracked, bounded per job), so its cost
-        follows the number of ticks, not the size of the ledger. A tick is
-        recorded only if every schedule in force at that tick (of every replica
-        that registered the job) contains it.
+        follows the number of ticks, not the size of the ledger. Only ticks that
+        were due are recorded (`scheduler.due`: by the schedules in force then).
         """
         if registered is None:
             registered = ledger.registrations_of(conn)
@@ -318,59 +318,14 @@ class Housekeeping:
         expected: list[tuple[int, datetime]] = []
         for job in self.catalog.scheduled:
             state = states.get(job.key)
-            if state is None or job.trigger is None:
+            if state is None:
                 continue
             since = state["tracked_since"]
             assert isinstance(since, datetime)
             start = max(since, previous - job.missed_after - MISSED_MARGIN)
-            until = now - job.missed_after - MISSED_MARGIN
+            until = now - job.missed_after - MISSED_MARGIN  # never a tick still in its grace
             if until <= start:
                 continue
-            ticks = InForce(job, by_job.get(job.key, [])).due(start, until)
+            ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
             expected += [(job.key, tick) for tick in ticks]
         return expected
-
-
-class InForce:
-    """The schedules of one job in force over time, as the replicas registered them.
-
-    Replicas that agree (the usual case) make this the job's own schedule. When
-    they differ (a rolling deploy), a tick is due only if every schedule in
-    force at that tick contains it; the schedule of a replica that is gone stays
-    in force until a live replica runs another one, so the ticks of a fleet
-    that was down are judged by the schedule it had.
-    """
-
-    def __init__(self, job: CatalogJob, registered: list[ledger.Registration]) -> None:
-        assert job.trigger is not None
-        self.job = job
-        self.own = schedule_text(job)
-        self.registered = registered
-        self.triggers: dict[str, BaseTrigger | None] = {self.own: job.trigger}
-        for r in registered:
-            if r.schedule is not None and r.schedule not in self.triggers:
-                self.triggers[r.schedule] = trigger_of(r.schedule)
-
-    def due(self, start: datetime, until: datetime) -> list[datetime]:
-        if all(r.schedule == self.own for r in self.registered):
-            return ticks_between(self.job.trigger, start, until, MISSED_LIMIT)
-        candidates: set[datetime] = set()
-        for trigger in self.triggers.values():
-            if trigger is not None:
-                candidates.update(ticks_between(trigger, start, until, MISSED_LIMIT))
-        return sorted(t for t in candidates if self._agreed(t))[-MISSED_LIMIT:]
-
-    def _agreed(self, tick: datetime) -> bool:
-        in_force = [
-            r for r in self.registered if r.since <= tick and (r.until is None or tick <= r.until)
-        ]
-        if not in_force:  # before any replica registered: the job's own schedule
-            return _contains(self.job.trigger, tick)
-        return all(
-            r.schedule is not None and _contains(self.triggers.get(r.schedule), tick)
-            for r in in_force
-        )
-
-
-def _contains(trigger: BaseTrigger | None, tick: datetime) -> bool:
-    return trigger is not None and tick_after(trigger, tick - timedelta(microseconds=1)) == tick

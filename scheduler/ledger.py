@@ -30,6 +30,7 @@ from sqlalchemy import (
     TypeDecorator,
     delete,
     desc,
+    exists,
     false,
     or_,
     select,
@@ -155,9 +156,10 @@ jobs = Table(
 
 # What each replica runs: every job it registered, under which name and schedule, since
 # when. A schedule is in force from `since` until `until` (NULL: still in force; set when
-# a replica that is gone is superseded by one with another schedule). The sweep records
-# a tick missed only if every schedule in force at that tick contains it, so replicas
-# that differ (a rolling deploy) never have the ticks of one recorded missed for the other.
+# the replica changes the job's schedule (a reload, a restart with another config), or
+# when a replica that is gone is superseded by one with another schedule). The rows a
+# change ends are kept (until `retention_days`): which ticks were due is judged by the
+# schedules in force at each tick (scheduler.due), never by today's.
 registrations = Table(
     "scheduler_registrations",
     metadata,
@@ -165,7 +167,7 @@ registrations = Table(
     Column("job_key", Integer, primary_key=True),
     Column("job_name", Text, nullable=False),
     Column("schedule", Text),  # canonical (catalog.schedule_text); NULL: not scheduled
-    Column("since", UTCDateTime(), nullable=False),
+    Column("since", UTCDateTime(), primary_key=True),
     Column("until", UTCDateTime()),
 )
 
@@ -740,9 +742,14 @@ def register(
     live: set[str],
     now: datetime,
 ) -> None:
-    """This replica's jobs and schedules, in force from now, or from when a replica now gone
-    began the same schedule (whose rows this one takes over: the table stays about one
-    row per live replica and job, plus schedules a change left behind)."""
+    """This replica's jobs and schedules, in force from now.
+
+    A schedule it already runs keeps its `since`; one that a replica now gone
+    began is taken over from then (the gone replica's row goes: the table stays
+    about one open row per live replica and job). A schedule this replica ran and
+    runs no more (a reload, a restart with another config.yaml) ends now, and its
+    row stays: the ticks from before the change are judged by it (scheduler.due).
+    """
     found = registrations_of(conn)
     heirs: dict[tuple[int, str | None], datetime] = {}
     for r in found:
@@ -763,26 +770,46 @@ def register(
                 registrations.c.instance.not_in([*live, instance]),
             )
         )
-    mine = {r.key: r for r in found if r.instance == instance}
-    rows = []
+    mine = {r.key: r for r in found if r.instance == instance and r.until is None}
+    rows, renamed = [], []
     for key, name, schedule in sorted(entries):
-        since = heirs.get((key, schedule), now)
         known = mine.pop(key, None)
-        if known is not None and known.schedule == schedule and known.until is None:
-            since = min(since, known.since)
-        rows.append(
-            {
-                "instance": instance,
-                "job_key": key,
-                "job_name": name,
-                "schedule": schedule,
-                "since": since,
-                "until": None,
-            }
+        if known is not None and known.schedule == schedule:
+            if known.name != name:
+                renamed.append((key, name))
+            continue
+        since = heirs.get((key, schedule), now)
+        if known is not None:
+            _end(conn, known, now if since != known.since else None)
+        row = {"instance": instance, "job_key": key, "job_name": name, "schedule": schedule}
+        rows.append({**row, "since": since, "until": None})
+    for known in mine.values():  # jobs this replica no longer has
+        _end(conn, known, now)
+    for key, name in renamed:
+        conn.execute(
+            update(registrations)
+            .where(
+                registrations.c.instance == instance,
+                registrations.c.job_key == key,
+                registrations.c.until.is_(None),
+            )
+            .values(job_name=name)
         )
-    conn.execute(delete(registrations).where(registrations.c.instance == instance))
     if rows:
         conn.execute(registrations.insert(), rows)
+
+
+def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
+    """A schedule is no longer in force from `at` (None: it never was: its row goes)."""
+    where = (
+        registrations.c.instance == row.instance,
+        registrations.c.job_key == row.key,
+        registrations.c.since == row.since,
+    )
+    if at is None:
+        conn.execute(delete(registrations).where(*where))
+    else:
+        conn.execute(update(registrations).where(*where).values(until=at))
 
 
 def supersede(conn: Connection, live: set[str], now: datetime) -> int:
@@ -794,21 +821,33 @@ def supersede(conn: Connection, live: set[str], now: datetime) -> int:
     for r in found:
         gone = r.instance not in live and r.until is None
         if gone and r.key in live_keys and (r.key, r.schedule) not in running:
-            conn.execute(
-                update(registrations)
-                .where(registrations.c.instance == r.instance, registrations.c.job_key == r.key)
-                .values(until=now)
-            )
+            _end(conn, r, now)
             ended += 1
     return ended
 
 
-def reassert(conn: Connection, instance: str) -> int:
+def reassert(conn: Connection, instance: str, keys: list[int]) -> int:
     """A live replica's schedules are in force, whatever another replica concluded while
-    this one was starting (registered, not yet live) or reconnecting: see `supersede`."""
+    this one was starting (registered, not yet live) or reconnecting: see `supersede`.
+
+    Only its newest row of each of its jobs (`keys`): the rows its own changes ended
+    stay ended.
+    """
+    if not keys:
+        return 0
+    newer = registrations.alias("newer")
     statement = (
         update(registrations)
-        .where(registrations.c.instance == instance, registrations.c.until.is_not(None))
+        .where(
+            registrations.c.instance == instance,
+            registrations.c.job_key.in_(sorted(keys)),
+            registrations.c.until.is_not(None),
+            ~exists().where(
+                newer.c.instance == instance,
+                newer.c.job_key == registrations.c.job_key,
+                newer.c.since > registrations.c.since,
+            ),
+        )
         .values(until=None)
     )
     return conn.execute(statement).rowcount or 0

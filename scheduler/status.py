@@ -9,9 +9,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from scheduler import agreement, ledger, pauses
+from scheduler import agreement, due, ledger, pauses
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog, schedule_text
+from scheduler.catalog import Catalog, CatalogJob, schedule_text
 from scheduler.statuses import FINISHED
 
 
@@ -42,6 +42,14 @@ def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]
     return out
 
 
+def next_ticks(backend: Backend, job: CatalogJob, now: datetime, n: int) -> list[datetime]:
+    """The job's next `n` ticks as the live replicas fire them (scheduler.due)."""
+    with backend.ledger_engine.connect() as conn:
+        live = {i["name"] for i in backend.live_instances(conn)}
+        registered = ledger.registrations_of(conn, [job.key])
+    return due.upcoming(job, registered, live, now, n)
+
+
 def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str, Any]:
     # One transaction: on SQLite this is BEGIN IMMEDIATE, so probing the file
     # locks can never make a concurrent claim see its lock as taken.
@@ -52,16 +60,22 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         states = ledger.job_states(conn)
         paused = pauses.paused_jobs(conn)
         live = {i["name"] for i in instances}
-        variants = agreement.live_schedules(ledger.registrations_of(conn), live)
+        registered = ledger.registrations_of(conn)
+        variants = agreement.live_schedules(registered, live)
         latest = ledger.latest_of(conn, [job.key for job in catalog], FINISHED)
+        by_job: dict[int, list[ledger.Registration]] = {}
+        for r in registered:
+            by_job.setdefault(r.key, []).append(r)
         jobs = []
         for job in catalog:
             state = states.get(job.key, {})
             run = running.get(job.key)
             last = latest.get(job.key)
+            upcoming = due.upcoming(job, by_job.get(job.key, []), live, now, 1)
             jobs.append(
                 {
                     **job.as_json(now),
+                    "next_tick": job.local(upcoming[0]) if upcoming else None,
                     "running": None
                     if run is None
                     else {
