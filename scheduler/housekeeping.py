@@ -41,6 +41,7 @@ SWEEP_EVERY = 30.0  # seconds between sweeps, fleet-wide
 PRUNE_EVERY = 3600.0
 MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight
+NAMED_IN_A_LINE = 5  # runs a log line names; the rest are counted
 
 
 class NameInUse(ConfigError):
@@ -157,20 +158,22 @@ class Housekeeping:
         """
         done: dict[str, int] = {}
         engine = self.backend.ledger_engine
+        me = self.settings.instance_name
         with engine.begin() as conn:
             now = self.backend.now_expression()
             sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
             prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
+            ledger.mark_seen(conn, me, now)
             states = ledger.job_states(conn)
             if self.notices is not None:
                 done["notices"] = self.notices.adopt(conn, now)
             raised: list[int] = []
             if sweep is not None:
-                done["crashed"] = self.sweep_crashed(conn, sweep[1])
-            # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
-            ledger.reassert(conn, self.settings.instance_name, [job.key for job in self.catalog])
-            if sweep is not None:
                 live = {i["name"] for i in self.backend.live_instances(conn)}
+                done["crashed"] = self.sweep_crashed(conn, sweep[1], live | {me})
+            # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
+            ledger.reassert(conn, me, [job.key for job in self.catalog])
+            if sweep is not None:
                 ledger.supersede(conn, live, sweep[1])
                 registered = ledger.registrations_of(conn)
                 raised = self.sweep_drift(conn, states, registered, live, sweep[1])
@@ -253,21 +256,37 @@ class Housekeeping:
                 )
         return raised
 
-    def sweep_crashed(self, conn: Connection, now: datetime) -> int:
-        """Running rows whose job lock nobody holds: their replica is gone."""
+    def sweep_crashed(self, conn: Connection, now: datetime, live: set[str] | None = None) -> int:
+        """Running rows whose job lock nobody holds: their replica is gone.
+
+        A run whose replica is gone is known to have lasted until that replica was
+        last seen alive (`ledger.seen`): that is recorded as its duration, a lower bound.
+        """
         stale = ledger.running(conn)
         if not stale:
             return 0
+        if live is None:
+            live = {i["name"] for i in self.backend.live_instances(conn)}
         free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
-        marked = 0
+        gone = sorted({r.instance for r in stale if r.instance and r.instance not in live})
+        seen = ledger.seen_at(conn, gone)
+        marked = []
         for row in sorted(stale, key=lambda r: (r.scheduled_at, r.key)):  # the common order
             if row.key in free and row.run_id is not None:
-                marked += ledger.mark_crashed(
-                    conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now
-                )
+                lasted = known_to_last(row, seen.get(row.instance or ""), live)
+                if ledger.mark_crashed(
+                    conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now, lasted
+                ):
+                    marked.append(row)
         if marked:
-            log.warning("marked %d run(s) crashed: their replica is gone", marked)
-        return marked
+            log.warning(
+                "marked %d run(s) crashed, their replica gone: %s",
+                len(marked),
+                named(
+                    [f"{r.job} tick {r.scheduled_at.isoformat()} on {r.instance}" for r in marked]
+                ),
+            )
+        return len(marked)
 
     def sweep_missed(
         self,
@@ -329,3 +348,19 @@ class Housekeeping:
             ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
             expected += [(job.key, tick) for tick in ticks]
         return expected
+
+
+def known_to_last(row: ledger.TickRow, seen: datetime | None, live: set[str]) -> float | None:
+    """How long a crashed run is known to have gone on: until its replica, gone, was last
+    seen alive (None: not known; a live replica that lost the lock may still run it)."""
+    if row.started_at is None or row.instance in live:
+        return None
+    alive = max(row.started_at, seen) if seen is not None else row.started_at
+    return round((alive - row.started_at).total_seconds(), 6)
+
+
+def named(items: list[str]) -> str:
+    """At most `NAMED_IN_A_LINE` of them, then how many more: a log line stays a line."""
+    shown = ", ".join(items[:NAMED_IN_A_LINE])
+    rest = len(items) - NAMED_IN_A_LINE
+    return f"{shown} and {rest} more" if rest > 0 else shown

@@ -171,6 +171,16 @@ registrations = Table(
     Column("until", UTCDateTime()),
 )
 
+# When each replica was last known to be alive: its housekeeping pass writes its row
+# (one row per replica, one write per pass). A run found `crashed` lasted at least until
+# then (the sweep records that much of it as its duration).
+seen = Table(
+    "scheduler_seen",
+    metadata,
+    Column("instance", Text, primary_key=True),
+    Column("seen_at", UTCDateTime(), nullable=False),
+)
+
 # The outbox: a notice (an alert, a recovery) is written in the transaction that changes
 # the state it announces, and delivered by whichever replica is alive, exactly once when
 # all goes well, at least once when a replica dies while delivering (`id` is in the
@@ -490,12 +500,23 @@ def existing_ticks(
     return found
 
 
-def mark_crashed(conn: Connection, key: int, run_id: int, error: str, now: datetime) -> bool:
-    """A running row whose lock is free: its replica died. Conditional, like every update."""
+def mark_crashed(
+    conn: Connection,
+    key: int,
+    run_id: int,
+    error: str,
+    now: datetime,
+    lasted: float | None = None,
+) -> bool:
+    """A running row whose lock is free: its replica died. Conditional, like every update.
+
+    `lasted`: how long the run was known to be going (until its replica was last
+    seen alive), kept as its duration: it ran at least that long.
+    """
     result = conn.execute(
         update(ticks)
         .where(ticks.c.job_key == key, ticks.c.run_id == run_id, ticks.c.status == Status.RUNNING)
-        .values(status=Status.CRASHED, finished_at=now, error=error)
+        .values(status=Status.CRASHED, finished_at=now, error=error, duration_s=lasted)
     )
     return result.rowcount == 1
 
@@ -853,7 +874,27 @@ def reassert(conn: Connection, instance: str, keys: list[int]) -> int:
     return conn.execute(statement).rowcount or 0
 
 
+def mark_seen(conn: Connection, instance: str, now: Any) -> None:
+    """This replica is alive now (see `seen`)."""
+    statement = upsert(conn, seen).values(instance=instance, seen_at=now)
+    conn.execute(
+        statement.on_conflict_do_update(
+            index_elements=[seen.c.instance], set_={"seen_at": statement.excluded.seen_at}
+        )
+    )
+
+
+def seen_at(conn: Connection, instances: list[str]) -> dict[str, datetime]:
+    """When each of these replicas was last known to be alive (those it knows)."""
+    if not instances:
+        return {}
+    query = select(seen.c.instance, seen.c.seen_at).where(seen.c.instance.in_(instances))
+    return {row.instance: row.seen_at for row in conn.execute(query)}
+
+
 def prune_registrations(conn: Connection, older_than: datetime) -> int:
+    """Schedules that ended before `older_than`, and replicas not seen since then."""
+    conn.execute(delete(seen).where(seen.c.seen_at < older_than))
     return (
         conn.execute(
             delete(registrations).where(

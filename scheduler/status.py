@@ -6,6 +6,7 @@ are documented in README.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -63,6 +64,8 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         registered = ledger.registrations_of(conn)
         variants = agreement.live_schedules(registered, live)
         latest = ledger.latest_of(conn, [job.key for job in catalog], FINISHED)
+        gone = sorted({r.instance for r in running.values() if r.instance not in live})
+        seen = ledger.seen_at(conn, [name for name in gone if name])
         by_job: dict[int, list[ledger.Registration]] = {}
         for r in registered:
             by_job.setdefault(r.key, []).append(r)
@@ -84,6 +87,11 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                         "scheduled_at": ledger.iso(run.scheduled_at),
                         "run_id": run.run_id,
                         "lock_held_by": holders.get(job.key),
+                        # Its replica is gone and nobody holds the lock: the sweep will
+                        # record it crashed; until then it is shown so, not as running.
+                        "replica_gone": run.instance not in live and job.key not in holders,
+                        "last_seen": ledger.iso(seen.get(run.instance or "")),
+                        "past_timeout_since": ledger.iso(past_timeout(job, run, now)),
                     },
                     "last_run": None
                     if last is None
@@ -115,3 +123,23 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         ],
         "jobs": jobs,
     }
+
+
+def past_timeout(job: CatalogJob, run: ledger.TickRow, now: datetime) -> datetime | None:
+    """Since when a run still going is past its job's `timeout` (this config.yaml's), if it is:
+    a thread cannot be stopped, so a timed-out thread job may run on for long."""
+    if job.timeout is None or run.started_at is None:
+        return None
+    due_by = run.started_at + job.timeout
+    return due_by if now > due_by else None
+
+
+def running_words(run: dict[str, Any], when: Callable[[str | None], str]) -> str:
+    """A run in `fleet_status` as the command and the page say it (`when`: an instant)."""
+    said = f"on {run['instance']} since {when(run['since'])}"
+    if run["replica_gone"]:
+        seen = f", last seen {when(run['last_seen'])}" if run["last_seen"] else ""
+        return f"{said}: replica gone, not yet marked{seen}"
+    if run["past_timeout_since"]:
+        return f"{said}: past its timeout since {when(run['past_timeout_since'])}"
+    return said

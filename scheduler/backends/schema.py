@@ -157,7 +157,8 @@ def _v6_retries_and_catch_up(conn: Connection) -> None:
 
 def _v7_schedule_history(conn: Connection) -> None:
     """A replica's schedule of a job that changed is kept (ended), beside the one in force:
-    the registrations' key gains `since`."""
+    the registrations' key gains `since`. When replicas were last seen alive."""
+    ledger.seen.create(conn, checkfirst=True)
     table = ledger.registrations.name
     found = inspect(conn).get_pk_constraint(table)
     if "since" in found["constrained_columns"]:

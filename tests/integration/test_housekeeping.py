@@ -63,12 +63,12 @@ def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
     assert dead.claim([request], "dead", capacity=1)[0].outcome is Outcome.RUN
     keeper = Housekeeping(alive, Catalog((job,)), settings())
     with alive.ledger_engine.begin() as conn:
-        assert keeper.sweep_crashed(conn, datetime.now(UTC)) == 0  # its lock is still held
+        assert keeper.sweep_crashed(conn, datetime.now(UTC), {"alive"}) == 0  # lock still held
     dead.close()  # the replica dies; its next tick is hours away
 
     def swept() -> bool:  # the server ends the session a moment after the client goes
         with alive.ledger_engine.begin() as conn:
-            return keeper.sweep_crashed(conn, datetime.now(UTC)) == 1
+            return keeper.sweep_crashed(conn, datetime.now(UTC), {"alive"}) == 1
 
     wait_for(swept, 10, "the sweep to find the dead replica's run")
     with alive.ledger_engine.connect() as conn:

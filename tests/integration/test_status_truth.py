@@ -1,0 +1,108 @@
+"""What `status`, the page and the sweep say of runs that went wrong, on both backends:
+a dead replica's run at once, a crashed run's known duration, a run past its timeout."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from scheduler import ledger
+from scheduler.backends.base import ClaimRequest, Intent, Outcome
+from scheduler.catalog import Catalog
+from scheduler.config import JobConfig, Settings
+from scheduler.housekeeping import Housekeeping, named
+from scheduler.status import fleet_status, running_words
+from scheduler.tables import lasted
+from tests.support import make_job
+
+ORPHAN, HELD, SLOW = 681, 682, 683
+
+
+def jobs() -> Catalog:
+    slow = make_job(SLOW, lambda ctx: None, name="slow")
+    slow = replace(slow, schedule=JobConfig(interval="1h", timeout="1s"))
+    return Catalog(
+        (
+            make_job(ORPHAN, lambda ctx: None, name="orphan"),
+            make_job(HELD, lambda ctx: None, name="held"),
+            slow,
+        )
+    )
+
+
+def running_row(key: int, name: str, instance: str, started: datetime, run_id: int) -> dict:
+    return {
+        "job_key": key,
+        "job_name": name,
+        "scheduled_at": started.replace(microsecond=0),
+        "status": "running",
+        "instance": instance,
+        "run_id": run_id,
+        "started_at": started,
+    }
+
+
+def claim(backend, key: int, name: str, tick: datetime):
+    request = ClaimRequest(
+        key=key, name=name, scheduled_at=tick, intent=Intent.RUN, grace_s=30, skip_threshold=3
+    )
+    (result,) = backend.claim([request], backend.instance, capacity=1)
+    assert result.outcome is Outcome.RUN
+    return result
+
+
+def state_of(status: dict, name: str) -> dict:
+    (job,) = [j for j in status["jobs"] if j["name"] == name]
+    return job
+
+
+def test_a_dead_replicas_run_is_shown_gone_at_once_and_swept_with_what_is_known(backends, caplog):
+    alive = backends("alive")
+    now = datetime.now(UTC)
+    started = now - timedelta(seconds=100)
+    with alive.ledger_engine.begin() as conn:  # "dead" ran it, was seen 42 s in, then died
+        conn.execute(ledger.ticks.insert(), [running_row(ORPHAN, "orphan", "dead", started, 90)])
+        ledger.mark_seen(conn, "dead", started + timedelta(seconds=42))
+    claim(alive, HELD, "held", now.replace(microsecond=0))  # alive, holding its lock
+    status = fleet_status(alive, jobs(), now)
+    gone, held = state_of(status, "orphan")["running"], state_of(status, "held")["running"]
+    assert gone["replica_gone"] and not held["replica_gone"]
+    assert gone["last_seen"] == ledger.iso(started + timedelta(seconds=42))
+    said = running_words(gone, str)
+    assert said.endswith(f"replica gone, not yet marked, last seen {gone['last_seen']}")
+    assert running_words(held, str) == f"on alive since {held['since']}"
+
+    keeper = Housekeeping(alive, jobs(), Settings(instance_name="alive"))
+    with (
+        caplog.at_level(logging.WARNING, "scheduler.housekeeping"),
+        alive.ledger_engine.begin() as conn,
+    ):
+        assert keeper.sweep_crashed(conn, now, {"alive"}) == 1
+    tick = started.replace(microsecond=0).isoformat()
+    assert f"marked 1 run(s) crashed, their replica gone: orphan tick {tick} on dead" in caplog.text
+    with alive.ledger_engine.connect() as conn:
+        (row,) = ledger.history(conn, ledger.TickFilter(key=ORPHAN, limit=1))
+    assert row.status == "crashed" and row.duration_s == pytest.approx(42.0)
+    assert lasted(row.status, row.duration_s) == "at least 42s"
+    assert state_of(fleet_status(alive, jobs(), now), "orphan")["running"] is None
+
+
+def test_a_run_past_its_timeout_is_shown_so_from_when_it_passed_it(backends):
+    alive = backends("alive")
+    now = datetime.now(UTC)
+    claim(alive, SLOW, "slow", now.replace(microsecond=0))
+    running = state_of(fleet_status(alive, jobs(), now), "slow")["running"]
+    assert running["past_timeout_since"] is None and not running["replica_gone"]
+    later = fleet_status(alive, jobs(), now + timedelta(seconds=30))
+    running = state_of(later, "slow")["running"]
+    since = datetime.fromisoformat(running["since"]) + timedelta(seconds=1)
+    assert running["past_timeout_since"] == ledger.iso(since)
+    assert running_words(running, str).endswith(f": past its timeout since {ledger.iso(since)}")
+
+
+def test_a_log_line_names_a_few_and_counts_the_rest():
+    assert named(["a", "b"]) == "a, b"
+    assert named([str(n) for n in range(8)]) == "0, 1, 2, 3, 4 and 3 more"
