@@ -11,6 +11,8 @@ them (`ledger.elect`): the work does not grow with the number of replicas.
   claimed within its misfire grace (the database was unreachable, or no
   replica was up) gets a `missed` row (or `paused`, if the job is paused since
   before it), at most `MISSED_LIMIT` per job per sweep.
+- Orphaned retries: a retry pending for a job that no live replica has any
+  more ends (after `ORPHANED_RETRY_GRACE`): the row becomes final, and prunable.
 - Retention: rows older than `retention_days` are deleted in batches.
 """
 
@@ -41,7 +43,9 @@ SWEEP_EVERY = 30.0  # seconds between sweeps, fleet-wide
 PRUNE_EVERY = 3600.0
 MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight
-NAMED_IN_A_LINE = 5  # runs a log line names; the rest are counted
+# How long past its time a retry of a job no live replica has waits before it ends.
+ORPHANED_RETRY_GRACE = timedelta(minutes=10)
+NAMED_IN_A_LINE = 5  # runs or retries a log line names; the rest are counted
 
 
 class NameInUse(ConfigError):
@@ -171,6 +175,7 @@ class Housekeeping:
             if sweep is not None:
                 live = {i["name"] for i in self.backend.live_instances(conn)}
                 done["crashed"] = self.sweep_crashed(conn, sweep[1], live | {me})
+                done["retries_ended"] = self.end_orphaned_retries(conn, sweep[1], live | {me})
             # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
             ledger.reassert(conn, me, [job.key for job in self.catalog])
             if sweep is not None:
@@ -287,6 +292,36 @@ class Housekeeping:
                 ),
             )
         return len(marked)
+
+    def end_orphaned_retries(self, conn: Connection, now: datetime, live: set[str]) -> int:
+        """Retries of jobs that no live replica has: nobody would ever take them.
+
+        Only once overdue by `ORPHANED_RETRY_GRACE` (a replica that has the job may be
+        on its way: a rolling deploy); the row stays `failed`, now final.
+        """
+        pending = ledger.pending_retries(conn, now - ORPHANED_RETRY_GRACE)
+        if not pending:
+            return 0
+        keys = sorted({p.key for p in pending})
+        kept = {
+            r.key
+            for r in ledger.registrations_of(conn, keys)
+            if r.instance in live and r.until is None
+        }
+        ended = [
+            p
+            for p in pending
+            if p.key not in kept
+            and ledger.end_retry(conn, p, "not retried: no live replica runs this job")
+        ]
+        if ended:
+            log.warning(
+                "ended %d pending retr%s of jobs no live replica runs: %s",
+                len(ended),
+                "y" if len(ended) == 1 else "ies",
+                named([f"{p.job} tick {p.scheduled_at.isoformat()}" for p in ended]),
+            )
+        return len(ended)
 
     def sweep_missed(
         self,

@@ -1,5 +1,6 @@
 """What `status`, the page and the sweep say of runs that went wrong, on both backends:
-a dead replica's run at once, a crashed run's known duration, a run past its timeout."""
+a dead replica's run at once, a crashed run's known duration, a run past its timeout,
+a retry nobody will ever take."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.catalog import Catalog
 from scheduler.config import JobConfig, Settings
-from scheduler.housekeeping import Housekeeping, named
+from scheduler.housekeeping import ORPHANED_RETRY_GRACE, Housekeeping, named
 from scheduler.status import fleet_status, running_words
 from scheduler.tables import lasted
 from tests.support import make_job
@@ -106,3 +107,37 @@ def test_a_run_past_its_timeout_is_shown_so_from_when_it_passed_it(backends):
 def test_a_log_line_names_a_few_and_counts_the_rest():
     assert named(["a", "b"]) == "a, b"
     assert named([str(n) for n in range(8)]) == "0, 1, 2, 3, 4 and 3 more"
+
+
+def test_a_retry_of_a_job_no_live_replica_has_ends_after_a_grace_and_is_pruned(backends):
+    alive = backends("alive")
+    now = datetime.now(UTC).replace(microsecond=0)
+    overdue = now - ORPHANED_RETRY_GRACE - timedelta(minutes=1)
+    base = {"status": "failed", "instance": "gone", "error": "boom", "attempt": 1}
+    rows = [  # (key, how overdue): gone for good, gone a moment ago, still run by "alive"
+        {**base, "job_key": ORPHAN, "job_name": "orphan", "scheduled_at": now - timedelta(days=3)},
+        {**base, "job_key": ORPHAN, "job_name": "orphan", "scheduled_at": now - timedelta(hours=1)},
+        {**base, "job_key": HELD, "job_name": "held", "scheduled_at": now - timedelta(hours=2)},
+    ]
+    retry_at = [overdue, now - timedelta(minutes=1), overdue]
+    with alive.ledger_engine.begin() as conn:
+        conn.execute(
+            ledger.ticks.insert(),
+            [{**r, "retry_at": at} for r, at in zip(rows, retry_at, strict=True)],
+        )
+        ledger.register(conn, "gone", [(ORPHAN, "orphan", "x"), (HELD, "held", "x")], set(), now)
+        ledger.register(conn, "alive", [(HELD, "held", "x")], {"gone"}, now)
+    keeper = Housekeeping(alive, jobs(), Settings(instance_name="alive"))
+    with alive.ledger_engine.begin() as conn:
+        assert keeper.end_orphaned_retries(conn, now, {"alive"}) == 1
+    with alive.ledger_engine.begin() as conn:
+        assert keeper.end_orphaned_retries(conn, now, {"alive"}) == 0  # done once
+    with alive.ledger_engine.connect() as conn:
+        found = {r.scheduled_at: r for r in ledger.history(conn, ledger.TickFilter(limit=10))}
+    ended = found[rows[0]["scheduled_at"]]
+    assert ended.status == "failed" and ended.retry_at is None
+    assert ended.error == "boom; not retried: no live replica runs this job"
+    assert found[rows[1]["scheduled_at"]].retry_at is not None  # within the grace
+    assert found[rows[2]["scheduled_at"]].retry_at is not None  # a live replica has the job
+    with alive.ledger_engine.begin() as conn:  # final now: retention takes it
+        assert ledger.prune_batch(conn, now - timedelta(days=1)) == 1
