@@ -117,9 +117,13 @@ class Housekeeping:
     ) -> None:
         me = self.settings.instance_name
         self._refuse_clashes(catalog, ledger.registrations_of(conn), others)
-        entries = [(job.key, job.name, schedule_text(job)) for job in catalog]
-        ledger.register(conn, me, entries, others, now)
+        ledger.register(conn, me, self._entries(catalog), others, now)
         ledger.supersede(conn, {*others, me}, now)
+
+    @staticmethod
+    def _entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:
+        """What this replica registers: each job's key, name and schedule."""
+        return [(job.key, job.name, schedule_text(job)) for job in catalog]
 
     def _refuse_clashes(
         self, catalog: Catalog, found: list[ledger.Registration], live: set[str]
@@ -177,7 +181,7 @@ class Housekeeping:
                 done["crashed"] = self.sweep_crashed(conn, sweep[1], live | {me})
                 done["retries_ended"] = self.end_orphaned_retries(conn, sweep[1], live | {me})
             # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
-            ledger.reassert(conn, me, [job.key for job in self.catalog])
+            ledger.reassert(conn, me, self._entries(self.catalog), now)
             if sweep is not None:
                 ledger.supersede(conn, live, sweep[1])
                 registered = ledger.registrations_of(conn)

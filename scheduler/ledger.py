@@ -30,7 +30,6 @@ from sqlalchemy import (
     TypeDecorator,
     delete,
     desc,
-    exists,
     false,
     func,
     or_,
@@ -789,7 +788,9 @@ def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Re
         query = query.where(registrations.c.job_key.in_(keys))
     return [
         Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
-        for r in conn.execute(query.order_by(registrations.c.job_key, registrations.c.instance))
+        for r in conn.execute(
+            query.order_by(registrations.c.job_key, registrations.c.instance, registrations.c.since)
+        )
     ]
 
 
@@ -857,13 +858,17 @@ def register(
         conn.execute(registrations.insert(), rows)
 
 
-def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
-    """A schedule is no longer in force from `at` (None: it never was: its row goes)."""
-    where = (
+def _key_of(row: Registration) -> tuple[Any, ...]:
+    return (
         registrations.c.instance == row.instance,
         registrations.c.job_key == row.key,
         registrations.c.since == row.since,
     )
+
+
+def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
+    """A schedule is no longer in force from `at` (None: it never was: its row goes)."""
+    where = _key_of(row)
     if at is None:
         conn.execute(delete(registrations).where(*where))
     else:
@@ -884,31 +889,36 @@ def supersede(conn: Connection, live: set[str], now: datetime) -> int:
     return ended
 
 
-def reassert(conn: Connection, instance: str, keys: list[int]) -> int:
+def reassert(
+    conn: Connection, instance: str, entries: list[tuple[int, str, str | None]], now: Any
+) -> int:
     """A live replica's schedules are in force, whatever another replica concluded while
-    this one was starting (registered, not yet live) or reconnecting: see `supersede`.
+    this one was starting (registered, not yet live) or reconnecting: see `supersede`,
+    and `register`, which takes over the rows of a replica that looks gone. Returns how
+    many rows it put back.
 
-    Only its newest row of each of its jobs (`keys`): the rows its own changes ended
+    Its newest row of each of its jobs (`entries`) is reopened if it is this schedule's,
+    and one from now is added if it is gone or another; the rows its own changes ended
     stay ended.
     """
-    if not keys:
-        return 0
-    newer = registrations.alias("newer")
-    statement = (
-        update(registrations)
-        .where(
-            registrations.c.instance == instance,
-            registrations.c.job_key.in_(sorted(keys)),
-            registrations.c.until.is_not(None),
-            ~exists().where(
-                newer.c.instance == instance,
-                newer.c.job_key == registrations.c.job_key,
-                newer.c.since > registrations.c.since,
-            ),
-        )
-        .values(until=None)
-    )
-    return conn.execute(statement).rowcount or 0
+    query = select(registrations).where(registrations.c.instance == instance)
+    newest = {r.job_key: r for r in conn.execute(query.order_by(registrations.c.since))}
+    put_back = 0
+    for key, name, schedule in entries:
+        row = newest.get(key)
+        if row is not None and row.until is None:
+            continue
+        if row is not None and row.schedule == schedule:
+            found = Registration(instance, key, name, schedule, row.since, row.until)
+            conn.execute(update(registrations).where(*_key_of(found)).values(until=None))
+        else:
+            conn.execute(
+                registrations.insert().values(
+                    instance=instance, job_key=key, job_name=name, schedule=schedule, since=now
+                )
+            )
+        put_back += 1
+    return put_back
 
 
 def mark_seen(conn: Connection, instance: str, now: Any) -> None:

@@ -135,7 +135,8 @@ def test_a_reload_ends_the_old_schedule_and_keeps_it_where_only_retention_remove
     keeper.track_jobs()
     at = keeper.reregister(Catalog((every(7),)))
     with backend.ledger_engine.begin() as conn:
-        ledger.reassert(conn, "r1", [KEY])  # the housekeeping pass: the old one stays ended
+        entries = [(KEY, NAME, schedule_text(every(7)))]
+        assert ledger.reassert(conn, "r1", entries, at) == 0  # the old one stays ended
         ledger.supersede(conn, set(), at + timedelta(hours=1))  # r1 gone: no live one runs
         found = sorted(ledger.registrations_of(conn, [KEY]), key=lambda r: r.since)
     assert [(r.schedule, r.until) for r in found] == [
@@ -161,7 +162,7 @@ def test_a_replica_superseded_while_it_started_gets_its_newest_schedule_back(bac
             .where(ledger.registrations.c.until.is_(None))
             .values(until=now)
         )
-        assert ledger.reassert(conn, "r1", [KEY]) == 1
+        assert ledger.reassert(conn, "r1", [(KEY, NAME, schedule_text(every(7)))], now) == 1
         found = {r.schedule: r.until for r in ledger.registrations_of(conn, [KEY])}
     assert found == {
         schedule_text(every(5)): now - timedelta(minutes=1),
@@ -198,3 +199,23 @@ def test_a_version_6_ledger_keeps_its_registrations_and_gains_their_history(back
     register(a, every(7), since + timedelta(seconds=1))  # a change now keeps the old one
     with a.ledger_engine.connect() as conn:
         assert len(ledger.registrations_of(conn)) == 2
+
+
+def test_replicas_starting_together_with_one_schedule_each_keep_it_registered(backends):
+    """Each registers while the others are not live yet, so each takes the others' rows
+    over as a gone replica's; its first housekeeping pass puts its own back."""
+    from scheduler.status import fleet_status
+
+    job = every(5)
+    replicas = [backends(name, connect=False) for name in ("p1", "p2", "p3")]
+    keepers = [
+        Housekeeping(b, Catalog((job,)), Settings(instance_name=b.instance)) for b in replicas
+    ]
+    for keeper in keepers:
+        keeper.track_jobs()
+    for replica in replicas:
+        replica.connect()
+    for keeper in keepers:
+        keeper.run_once()
+    shown = fleet_status(replicas[0], Catalog((job,)), datetime.now(UTC))["jobs"][0]["schedules"]
+    assert [v["instances"] for v in shown] == [["p1", "p2", "p3"]]
