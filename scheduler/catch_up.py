@@ -83,12 +83,24 @@ def plan(
 
 
 def fleet_up(
-    now: datetime, live: list[dict[str, object]], registered: list[ledger.Registration]
+    now: datetime,
+    live: list[dict[str, object]],
+    registered: list[ledger.Registration],
+    registering: set[str],
 ) -> datetime:
-    """When the first live replica that runs the job came up (its lock session), or `now`:
-    the ticks due since then are that replica's to fire, not catch-up's."""
-    runs_it = {r.instance for r in registered if r.until is None and r.schedule is not None}
-    starts = [i["since"] for i in live if i["name"] in runs_it and isinstance(i["since"], datetime)]
+    """When the first live replica that fires the job came up (its lock session), or `now`:
+    the ticks due since then are that replica's to fire, not catch-up's.
+
+    `registered`: the job's registrations; `registering`: the replicas that have some
+    registration in force. A live replica with none (another took its rows over while it
+    started, until its first housekeeping pass) is taken to fire the job.
+    """
+    fires = {r.instance for r in registered if r.until is None and r.schedule is not None}
+    starts = [
+        i["since"]
+        for i in live
+        if (i["name"] in fires or i["name"] not in registering) and isinstance(i["since"], datetime)
+    ]
     return min([now, *starts])
 
 
@@ -162,7 +174,8 @@ class CatchUp:
         with self.engine.connect() as conn:
             now = self.backend.now(conn)
             registered = ledger.registrations_of(conn, [job.key])
-            end = fleet_up(now, self.backend.live_instances(conn), registered)
+            live = self.backend.live_instances(conn)
+            end = fleet_up(now, live, registered, ledger.registered_instances(conn))
             have = set(
                 conn.execute(
                     select(t.c.scheduled_at).where(

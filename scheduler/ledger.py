@@ -794,6 +794,12 @@ def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Re
     ]
 
 
+def registered_instances(conn: Connection) -> set[str]:
+    """The replicas that have some schedule in force (an open registration)."""
+    query = select(registrations.c.instance).where(registrations.c.until.is_(None)).distinct()
+    return set(conn.execute(query).scalars())
+
+
 def register(
     conn: Connection,
     instance: str,

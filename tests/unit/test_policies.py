@@ -132,8 +132,13 @@ def test_catch_up_leaves_the_ticks_after_the_fleet_came_up_to_the_replicas_that_
     up = now - timedelta(seconds=5)
     to_run, _ = plan(j, in_force(j, now - timedelta(hours=1)), now, up, set())
     assert to_run == [now - timedelta(seconds=s, microseconds=500000) for s in (10, 8, 6)]
-    live = [{"name": "r1", "since": up}, {"name": "other-fleet", "since": up - timedelta(1)}]
-    assert fleet_up(now, live, in_force(j, now - timedelta(hours=1))) == up
+    registered = in_force(j, now - timedelta(hours=1))
+    live = [{"name": "r1", "since": up}, {"name": "runs-others", "since": up - timedelta(1)}]
+    assert fleet_up(now, live, registered, {"r1", "runs-others"}) == up
+    # A replica whose rows another took over while it started: taken to fire the job.
+    live.append({"name": "r2", "since": up - timedelta(seconds=1)})
+    assert fleet_up(now, live, registered, {"r1", "runs-others"}) == up - timedelta(seconds=1)
+    assert fleet_up(now, [], registered, {"r1"}) == now
 
 
 class JobsHere:
