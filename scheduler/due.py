@@ -27,6 +27,9 @@ from scheduler.ledger import Registration
 from scheduler.schedules import next_tick, next_ticks, tick_after, ticks_between
 
 _MICROSECOND = timedelta(microseconds=1)
+# Ticks of one schedule a look walks at most: schedules that differ (or one that never
+# fires) may leave few due ticks among many; beyond this, fewer are answered, never more.
+WALK_LIMIT = 100_000
 
 
 class InForce:
@@ -40,15 +43,33 @@ class InForce:
                 self.triggers[r.schedule] = trigger_of(r.schedule)
 
     def between(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
-        """The latest `limit` ticks in (after, until] that were due, oldest first."""
-        candidates: set[datetime] = set()
-        for r in self.registered:
-            trigger = self.triggers.get(r.schedule) if r.schedule is not None else None
-            start = max(after, r.since - _MICROSECOND)
-            end = until if r.until is None else min(until, r.until)
-            if trigger is not None and start < end:
-                candidates.update(ticks_between(trigger, start, end, limit))
-        return sorted(t for t in candidates if self.was_due(t))[-limit:] if limit > 0 else []
+        """The latest `limit` ticks in (after, until] that were due, oldest first.
+
+        Each schedule is walked over its own time in force, newest first, as far as
+        needed: further when schedules that differ leave fewer due ticks than asked.
+        """
+        asked = limit
+        while limit > 0:
+            candidates: set[datetime] = set()
+            horizon = None  # below it, a walk that stopped at `asked` may have left ticks
+            for r in self.registered:
+                trigger = self.triggers.get(r.schedule) if r.schedule is not None else None
+                start = max(after, r.since - _MICROSECOND)
+                end = until if r.until is None else min(until, r.until)
+                if trigger is None or start >= end:
+                    continue
+                found = ticks_between(trigger, start, end, asked)
+                candidates.update(found)
+                if len(found) == asked:
+                    horizon = max(horizon or found[0], found[0])
+            due = sorted(t for t in candidates if self.was_due(t))
+            if horizon is None:
+                return due[-limit:]
+            trusted = [t for t in due if t >= horizon]
+            if len(trusted) >= limit or asked >= WALK_LIMIT:
+                return trusted[-limit:]
+            asked = min(asked * 4, WALK_LIMIT)
+        return []
 
     def was_due(self, tick: datetime) -> bool:
         in_force = [

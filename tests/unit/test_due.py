@@ -118,3 +118,30 @@ def test_the_next_ticks_are_those_the_live_replicas_fire(live):
 def test_a_changed_schedule_starts_at_its_first_tick_from_the_change():
     assert due.first_from(every(5), T0 + timedelta(seconds=1)) == T0 + timedelta(seconds=5)
     assert due.first_from(every(5), T0) == T0
+
+
+def test_schedules_that_differ_are_walked_as_far_as_the_due_ticks_asked_for():
+    """During a rolling deploy only the common ticks (every 15 s) were due: the latest
+    one is found however many ticks of each schedule lie after it."""
+    registered = [reg(5, T0, instance="r-old"), reg(3, T0, instance="r-new")]
+    end = T0 + timedelta(seconds=44)
+    assert seconds(due.InForce(registered).between(T0, end, 1)) == [30]
+    assert seconds(due.InForce(registered).between(T0, end, 2)) == [15, 30]
+    assert seconds(due.InForce(registered).between(T0, end, 5)) == [15, 30]
+
+
+def test_a_look_walks_a_bounded_number_of_ticks(monkeypatch):
+    """A schedule in force that never fires, beside one that does: nothing was due, and
+    finding so walks at most WALK_LIMIT ticks of each schedule."""
+    walked: list[int] = []
+    walk = due.ticks_between
+
+    def counted(trigger, after, until, limit):
+        walked.append(limit)
+        return walk(trigger, after, until, limit)
+
+    monkeypatch.setattr(due, "WALK_LIMIT", 1000)
+    monkeypatch.setattr(due, "ticks_between", counted)
+    registered = [reg(1, T0, instance="r1"), reg(None, T0, instance="r2")]
+    assert due.InForce(registered).between(T0, T0 + timedelta(days=7), 10) == []
+    assert walked == [10, 40, 160, 640, 1000]
