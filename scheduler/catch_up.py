@@ -1,13 +1,20 @@
-"""Catch-up after downtime: the ticks a fleet that was down did not run.
+"""Catch-up after downtime: the due ticks a fleet that was down did not run.
 
-`catch_up: latest` hands the gate the most recent past tick within the misfire
-grace, once, at start. `catch_up: all` looks back over the job's
-`catch_up_window` each time this replica's lock session comes up (start-up,
-or back from a database outage): the newest `catch_up_limit` ticks that have
-no row are claimed one at a time, oldest first, lock first (`Gate.catch_up`),
-so every replica may do this at once and each tick still runs once for the
-fleet, in order; older ticks of the window without a row are recorded
-`missed` at once. The sweep leaves the window's ticks to this pass.
+Which ticks were due is `scheduler.due`'s answer: those of the schedules in
+force then, not of this replica's schedule today. `catch_up: latest` hands the
+gate the most recent due tick within the misfire grace, once, at start.
+`catch_up: all` looks back over the job's `catch_up_window` each time this
+replica's lock session comes up (start-up, or back from a database outage): of
+the ticks that fell due before the fleet's live replicas came up (later ones
+are theirs to fire), the newest `catch_up_limit` that have no row are claimed
+one at a time, oldest first, lock first (`Gate.catch_up`), so every replica may
+do this at once and each tick still runs once for the fleet, in order; up to
+`MISSED_LIMIT` older ticks of the window without a row are recorded `missed`
+at once (older ones by the sweep, once they leave the window). Every pass
+looks at the same ticks, whenever it starts: the newest `catch_up_limit` plus
+`MISSED_LIMIT` due ticks before the fleet came up, so no pass records missed a
+tick another pass is about to run, nor runs one older than another pass ran.
+(The embedded backend does not know when a replica came up: there, up to now.)
 """
 
 from __future__ import annotations
@@ -18,43 +25,83 @@ from collections.abc import Callable
 from datetime import datetime
 
 from sqlalchemy import Engine, select
+from sqlalchemy.exc import SQLAlchemyError
 
 from scheduler import events, ledger
-from scheduler.backends.base import Outcome
+from scheduler.backends.base import LedgerStore, Outcome
 from scheduler.catalog import Catalog, CatalogJob
+from scheduler.due import InForce
+from scheduler.errors import one_line
 from scheduler.gate import Gate
-from scheduler.schedules import ticks_between
+from scheduler.housekeeping import MISSED_LIMIT
 
 log = logging.getLogger("scheduler.catch_up")
 
 HELD_RETRY = 1.0  # seconds before a tick whose lock was held (an older one runs) is tried again
 
 
-def latest(catalog: Catalog, gate: Gate, now: datetime) -> None:
-    """`catch_up: latest`: the most recent past tick, if within grace, goes to the gate.
+def submit_latest(catalog: Catalog, gate: Gate, engine: Engine, now: datetime) -> None:
+    """`catch_up: latest`: the most recent due tick, if within grace, goes to the gate.
 
     If a replica already ran it, the claim is simply lost.
     """
-    for job in catalog.scheduled:
-        if job.schedule is None or job.schedule.catch_up != "latest" or job.trigger is None:
-            continue
-        found = ticks_between(job.trigger, now - job.misfire_grace, now, limit=1)
+    jobs = [
+        job
+        for job in catalog.scheduled
+        if job.schedule is not None and job.schedule.catch_up == "latest"
+    ]
+    if not jobs:
+        return
+    try:
+        with engine.connect() as conn:
+            registered = ledger.registrations_of(conn, [job.key for job in jobs])
+    except SQLAlchemyError as exc:
+        log.warning("catch_up: latest skipped: the ledger did not answer (%s)", one_line(exc))
+        return
+    for job in jobs:
+        found = InForce(r for r in registered if r.key == job.key).between(
+            now - job.misfire_grace, now, 1
+        )
         if found:
             gate.submit(job, found[-1])
 
 
 def plan(
-    job: CatalogJob, now: datetime, have: set[datetime], tracked_since: datetime | None
+    job: CatalogJob,
+    registered: list[ledger.Registration],
+    now: datetime,
+    end: datetime,
+    have: set[datetime],
 ) -> tuple[list[datetime], list[datetime]]:
-    """(to run, oldest first; to record missed): the window's ticks that have no row."""
-    assert job.schedule is not None and job.trigger is not None
+    """(to run, oldest first; to record missed): of the window's newest due ticks up to
+    `end` (when the fleet came up), those that have no row (`have`: the rows)."""
+    assert job.schedule is not None
     limit = job.schedule.catch_up_limit
-    start = now - job.catch_up_window
-    if tracked_since is not None:
-        start = max(start, tracked_since)
-    candidates = ticks_between(job.trigger, start, now, limit=limit + len(have))
-    missing = [tick for tick in candidates if tick not in have]
+    due = InForce(registered).between(now - job.catch_up_window, end, limit + MISSED_LIMIT)
+    missing = [tick for tick in due if tick not in have]
     return missing[-limit:], missing[:-limit]
+
+
+def fleet_up(
+    now: datetime,
+    live: list[dict[str, object]],
+    registered: list[ledger.Registration],
+    registering: set[str],
+) -> datetime:
+    """When the first live replica that fires the job came up (its lock session), or `now`:
+    the ticks due since then are that replica's to fire, not catch-up's.
+
+    `registered`: the job's registrations; `registering`: the replicas that have some
+    registration in force. A live replica with none (another took its rows over while it
+    started, until its first housekeeping pass) is taken to fire the job.
+    """
+    fires = {r.instance for r in registered if r.until is None and r.schedule is not None}
+    starts = [
+        i["since"]
+        for i in live
+        if (i["name"] in fires or i["name"] not in registering) and isinstance(i["since"], datetime)
+    ]
+    return min([now, *starts])
 
 
 class CatchUp:
@@ -68,17 +115,16 @@ class CatchUp:
     def __init__(
         self,
         gate: Gate,
-        engine: Engine,
+        backend: LedgerStore,
         catalog: Callable[[], Catalog],
         *,
         instance: str,
-        clock: Callable[[], datetime],
     ) -> None:
         self.gate = gate
-        self.engine = engine
+        self.backend = backend
+        self.engine = backend.ledger_engine
         self.catalog = catalog
         self.instance = instance
-        self.clock = clock
         self.stopped = threading.Event()
         self._mutex = threading.Lock()
         self._passes: dict[int, threading.Thread] = {}  # job key -> its pass now
@@ -124,20 +170,22 @@ class CatchUp:
             log.exception("%s: catching up failed; the sweep records what was not run", job.name)
 
     def _plan(self, job: CatalogJob) -> tuple[list[datetime], list[datetime]]:
-        now = self.clock()
         t = ledger.ticks
         with self.engine.connect() as conn:
+            now = self.backend.now(conn)
+            registered = ledger.registrations_of(conn, [job.key])
+            live = self.backend.live_instances(conn)
+            end = fleet_up(now, live, registered, ledger.registered_instances(conn))
             have = set(
                 conn.execute(
                     select(t.c.scheduled_at).where(
-                        t.c.job_key == job.key, t.c.scheduled_at >= now - job.catch_up_window
+                        t.c.job_key == job.key,
+                        t.c.scheduled_at > now - job.catch_up_window,
+                        t.c.scheduled_at <= end,
                     )
                 ).scalars()
             )
-            since = conn.execute(
-                select(ledger.jobs.c.tracked_since).where(ledger.jobs.c.job_key == job.key)
-            ).scalar()
-        return plan(job, now, have, since)
+        return plan(job, registered, now, end, have)
 
     def _record_missed(self, job: CatalogJob, ticks: list[datetime]) -> None:
         with self.engine.begin() as conn:

@@ -23,7 +23,7 @@ from scheduler.errors import ConfigError, one_line, shorten
 from scheduler.ledger import TickFilter
 from scheduler.schedules import zone
 from scheduler.statuses import Status
-from scheduler.tables import duration, instant, table
+from scheduler.tables import instant, lasted, table
 from scheduler.text import printable
 
 if TYPE_CHECKING:
@@ -399,7 +399,7 @@ def _ledger_backend(config: Config) -> Backend:
 
 
 def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> int:
-    from scheduler.status import fleet_status
+    from scheduler.status import fleet_status, running_words
 
     document = fleet_status(_ledger_backend(config), catalog, datetime.now(UTC))
     if as_json:
@@ -421,7 +421,7 @@ def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> i
                 "job": job["name"],
                 "key": job["key"],
                 "schedule": job["schedule"],
-                "running": f"{run['instance']} since {instant(run['since'], tz)}" if run else "",
+                "running": running_words(run, lambda at: instant(at, tz)) if run else "",
                 "last": f"{last['status']} {instant(last['finished_at'], tz)}".strip()
                 if last
                 else "",
@@ -506,7 +506,7 @@ def _history_line(row: dict[str, Any], tz: tzinfo) -> dict[str, Any]:
         **row,
         "scheduled_at": instant(row["scheduled_at"], tz),
         "started_at": instant(row["started_at"], tz),
-        "duration": duration(row["duration_s"]),
+        "duration": lasted(row["status"], row["duration_s"]),
         "attempt": row["attempt"] if row["attempt"] > 1 or row["attempts"] else "",
         "note": ", ".join(notes),
     }

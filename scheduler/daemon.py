@@ -30,6 +30,7 @@ from scheduler.backends.base import Unavailable
 from scheduler.catalog import Catalog, CatalogJob
 from scheduler.catch_up import CatchUp
 from scheduler.config import Config
+from scheduler.due import first_from
 from scheduler.errors import ConfigError, one_line
 from scheduler.gate import Backoff, Gate
 from scheduler.housekeeping import Housekeeping, NameInUse
@@ -128,10 +129,11 @@ def _add_group(
 def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> None:
     """Replace the schedules between two ticks; a schedule that did not change keeps going.
 
-    A changed one starts at its first tick from `since` (taken before the
-    switch): no tick after it is lost, and one the old schedule fired too has
-    one row in the ledger (its primary key), so it runs once. Ticks already
-    handed to the gate run under the settings they were claimed with.
+    A changed one starts at its first tick from `since`, the instant it came in
+    force (`Housekeeping.reregister`): the ticks before were the old schedule's,
+    which fired them (`scheduler.due`); a tick both fired has one row in the
+    ledger (its primary key), so it runs once. Ticks already handed to the gate
+    run under the settings they were claimed with.
     """
     executor = scheduler.executor
     old, new = executor.groups, groups_of(catalog)
@@ -148,9 +150,7 @@ def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> N
         executor.groups = new  # kept schedules too: their jobs' thresholds may have changed
         for name, group in new.items():
             if name not in kept:
-                assert group[0].trigger is not None
-                first = group[0].trigger.get_next_fire_time(None, since)
-                _add_group(scheduler, name, group, first)
+                _add_group(scheduler, name, group, first_from(group[0], since))
     finally:
         scheduler.resume()
 
@@ -207,11 +207,7 @@ class Daemon:
             desk=Desk(self.backend.ledger_engine, lambda: self.catalog, lambda: datetime.now(UTC)),
         )
         self.catching_up = CatchUp(
-            self.gate,
-            self.backend.ledger_engine,
-            lambda: self.catalog,
-            instance=self.settings.instance_name,
-            clock=lambda: datetime.now(UTC),
+            self.gate, self.backend, lambda: self.catalog, instance=self.settings.instance_name
         )
         self.gate.listeners.append(self.catching_up)  # a pass each time the lock session is up
         self.housekeeping = Housekeeping(
@@ -318,7 +314,8 @@ class Daemon:
         self.gate.start()
         self.housekeeping.start()
         self.scheduler.start()
-        catch_up.latest(self.catalog, self.gate, datetime.now(UTC))
+        engine = self.backend.ledger_engine
+        catch_up.submit_latest(self.catalog, self.gate, engine, datetime.now(UTC))
         # What start-up built (modules, settings, the catalog) lives as long as the
         # daemon. Frozen, it is out of the collector's sight: a full collection no
         # longer walks it (it paused every thread for 50-90 ms at 500 runs a second).
@@ -344,10 +341,9 @@ class Daemon:
 
     def reload(self, why: str) -> bool:
         """Re-read config.yaml and apply it between ticks; an invalid file changes nothing."""
-        since = datetime.now(UTC)
         try:
             reloaded = reread(self.config, self.catalog)
-            self.housekeeping.reregister(reloaded.catalog)
+            since = self.housekeeping.reregister(reloaded.catalog)
         except ConfigError as exc:
             self.reloads.settled()
             log.error(

@@ -7,10 +7,12 @@ them (`ledger.elect`): the work does not grow with the number of replicas.
 - Stale runs: a `running` row whose job lock nobody holds belongs to a
   replica that died; it is marked `crashed` even when the job's next tick is
   hours away.
-- Missed ticks: a tick that no replica claimed within its misfire grace (the
-  database was unreachable, or no replica was up) gets a `missed` row (or
-  `paused`, if the job is paused since before it), at most `MISSED_LIMIT` per
-  job per sweep.
+- Missed ticks: a tick that was due (scheduler.due) and that no replica
+  claimed within its misfire grace (the database was unreachable, or no
+  replica was up) gets a `missed` row (or `paused`, if the job is paused since
+  before it), at most `MISSED_LIMIT` per job per sweep.
+- Orphaned retries: a retry pending for a job that no live replica has any
+  more ends (after `ORPHANED_RETRY_GRACE`): the row becomes final, and prunable.
 - Retention: rows older than `retention_days` are deleted in batches.
 """
 
@@ -22,14 +24,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from apscheduler.triggers.base import BaseTrigger
 from sqlalchemy import Connection
 
 from scheduler import agreement, ledger
-from scheduler.catalog import Catalog, CatalogJob, schedule_text, trigger_of
+from scheduler.backends.base import ClaimRequest, Crashes, Intent
+from scheduler.catalog import Catalog, schedule_text
 from scheduler.config import Settings
+from scheduler.due import InForce
 from scheduler.errors import ConfigError, one_line
-from scheduler.schedules import tick_after, ticks_between
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ SWEEP_EVERY = 30.0  # seconds between sweeps, fleet-wide
 PRUNE_EVERY = 3600.0
 MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight
+# How long past its time a retry of a job no live replica has waits before it ends.
+ORPHANED_RETRY_GRACE = timedelta(minutes=10)
+NAMED_IN_A_LINE = 5  # runs or retries a log line names; the rest are counted
 
 
 class NameInUse(ConfigError):
@@ -92,8 +97,9 @@ class Housekeeping:
             engine, [(job.key, job.name, job.describe()) for job in self.catalog], now
         )
 
-    def reregister(self, catalog: Catalog) -> None:
-        """After a reload: the jobs and schedules this replica runs from now on.
+    def reregister(self, catalog: Catalog) -> datetime:
+        """After a reload: the jobs and schedules this replica runs from now on; returns
+        the instant (the ledger's) from which a changed schedule is in force.
 
         The clash check still applies (a reloaded file may name a key another
         way); this replica's own name is, of course, live.
@@ -105,15 +111,20 @@ class Housekeeping:
             self._register(conn, catalog, live - {self.settings.instance_name}, now)
         self.catalog = catalog
         ledger.track_jobs(engine, [(job.key, job.name, job.describe()) for job in catalog], now)
+        return now
 
     def _register(
         self, conn: Connection, catalog: Catalog, others: set[str], now: datetime
     ) -> None:
         me = self.settings.instance_name
         self._refuse_clashes(catalog, ledger.registrations_of(conn), others)
-        entries = [(job.key, job.name, schedule_text(job)) for job in catalog]
-        ledger.register(conn, me, entries, others, now)
+        ledger.register(conn, me, self._entries(catalog), others, now)
         ledger.supersede(conn, {*others, me}, now)
+
+    @staticmethod
+    def _entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:
+        """What this replica registers: each job's key, name and schedule."""
+        return [(job.key, job.name, schedule_text(job)) for job in catalog]
 
     def _refuse_clashes(
         self, catalog: Catalog, found: list[ledger.Registration], live: set[str]
@@ -161,24 +172,32 @@ class Housekeeping:
         """
         done: dict[str, int] = {}
         engine = self.backend.ledger_engine
+        me = self.settings.instance_name
         with engine.begin() as conn:
             now = self.backend.now_expression()
             sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
             prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
+            ledger.mark_seen(conn, me, now)
             states = ledger.job_states(conn)
             if self.notices is not None:
                 done["notices"] = self.notices.adopt(conn, now)
             raised: list[int] = []
             if sweep is not None:
-                done["crashed"] = self.sweep_crashed(conn, sweep[1])
-            # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
-            ledger.reassert(conn, self.settings.instance_name)
-            if sweep is not None:
                 live = {i["name"] for i in self.backend.live_instances(conn)}
+                # Row locks in the one order (postgres.sql): tick rows, then job rows; the
+                # registrations come in a transaction of their own, next.
+                done["retries_ended"] = self.end_orphaned_retries(conn, sweep[1], live | {me})
+                crashed = self.sweep_crashed(conn, sweep[1], live | {me})
+                done["crashed"] = len(crashed)
+                raised += self.count_crashes(conn, crashed)
+        with engine.begin() as conn:
+            ledger.reassert(conn, me, self._entries(self.catalog), now)
+            if sweep is not None:
                 ledger.supersede(conn, live, sweep[1])
                 registered = ledger.registrations_of(conn)
-                raised = self.sweep_drift(conn, states, registered, live, sweep[1])
-                done["drift"] = len(raised)
+                drifting = self.sweep_drift(conn, states, registered, live, sweep[1])
+                done["drift"] = len(drifting)
+                raised += drifting
         if raised and self.notices is not None:  # committed: deliver them now
             self.notices.schedule(raised)
         if sweep is not None:  # run-now requests whose taker never said how the run ended
@@ -260,21 +279,85 @@ class Housekeeping:
                 )
         return raised
 
-    def sweep_crashed(self, conn: Connection, now: datetime) -> int:
-        """Running rows whose job lock nobody holds: their replica is gone."""
+    def sweep_crashed(
+        self, conn: Connection, now: datetime, live: set[str] | None = None
+    ) -> list[ledger.TickRow]:
+        """Running rows whose job lock nobody holds: their replica is gone. Returns them.
+
+        A run whose replica is gone is known to have lasted until that replica was
+        last seen alive (`ledger.seen`): that is recorded as its duration, a lower bound.
+        """
         stale = ledger.running(conn)
         if not stale:
-            return 0
+            return []
+        if live is None:
+            live = {i["name"] for i in self.backend.live_instances(conn)}
         free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
-        marked = 0
+        gone = sorted({r.instance for r in stale if r.instance and r.instance not in live})
+        seen = ledger.seen_at(conn, gone)
+        marked = []
         for row in sorted(stale, key=lambda r: (r.scheduled_at, r.key)):  # the common order
             if row.key in free and row.run_id is not None:
-                marked += ledger.mark_crashed(
-                    conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now
-                )
+                lasted = known_to_last(row, seen.get(row.instance or ""), live)
+                if ledger.mark_crashed(
+                    conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now, lasted
+                ):
+                    marked.append(row)
         if marked:
-            log.warning("marked %d run(s) crashed: their replica is gone", marked)
+            log.warning(
+                "marked %d run(s) crashed, their replica gone: %s",
+                len(marked),
+                named(
+                    [f"{r.job} tick {r.scheduled_at.isoformat()} on {r.instance}" for r in marked]
+                ),
+            )
         return marked
+
+    def count_crashes(self, conn: Connection, marked: list[ledger.TickRow]) -> list[int]:
+        """The runs the sweep marked crashed count as failures, as a claim's would
+        (`count_crashes` of the backend); returns the alerts raised."""
+        crashes: dict[int, Crashes] = {}
+        for row in marked:
+            job = self.catalog.by_key(row.key)
+            threshold = job.fail_threshold if job else self.settings.fail_alert_after
+            found = crashes.get(row.key)
+            request = ClaimRequest(row.key, row.job, row.scheduled_at, Intent.RUN, 0, 0, threshold)
+            crashes[row.key] = Crashes(
+                request,
+                (found.count if found else 0) + 1,
+                max(row.scheduled_at, found.newest) if found else row.scheduled_at,
+            )
+        return list(self.backend.count_crashes(conn, crashes).values()) if crashes else []
+
+    def end_orphaned_retries(self, conn: Connection, now: datetime, live: set[str]) -> int:
+        """Retries of jobs that no live replica has: nobody would ever take them.
+
+        Only once overdue by `ORPHANED_RETRY_GRACE` (a replica that has the job may be
+        on its way: a rolling deploy); the row stays `failed`, now final.
+        """
+        pending = ledger.pending_retries(conn, now - ORPHANED_RETRY_GRACE)
+        if not pending:
+            return 0
+        keys = sorted({p.key for p in pending})
+        kept = {
+            r.key
+            for r in ledger.registrations_of(conn, keys)
+            if r.instance in live and r.until is None
+        }
+        ended = [
+            p
+            for p in pending
+            if p.key not in kept
+            and ledger.end_retry(conn, p, "not retried: no live replica runs this job")
+        ]
+        if ended:
+            log.warning(
+                "ended %d pending retr%s of jobs no live replica runs: %s",
+                len(ended),
+                "y" if len(ended) == 1 else "ies",
+                named([f"{p.job} tick {p.scheduled_at.isoformat()}" for p in ended]),
+            )
+        return len(ended)
 
     def sweep_missed(
         self,
@@ -291,9 +374,8 @@ class Housekeeping:
 
         Each sweep looks at the ticks that left their grace since the previous
         sweep (or since the job was tracked, bounded per job), so its cost
-        follows the number of ticks, not the size of the ledger. A tick is
-        recorded only if every schedule in force at that tick (of every replica
-        that registered the job) contains it.
+        follows the number of ticks, not the size of the ledger. Only ticks that
+        were due are recorded (`scheduler.due`: by the schedules in force then).
         """
         if registered is None:
             registered = ledger.registrations_of(conn)
@@ -329,59 +411,30 @@ class Housekeeping:
         expected: list[tuple[int, datetime]] = []
         for job in self.catalog.scheduled:
             state = states.get(job.key)
-            if state is None or job.trigger is None:
+            if state is None:
                 continue
             since = state["tracked_since"]
             assert isinstance(since, datetime)
             start = max(since, previous - job.missed_after - MISSED_MARGIN)
-            until = now - job.missed_after - MISSED_MARGIN
+            until = now - job.missed_after - MISSED_MARGIN  # never a tick still in its grace
             if until <= start:
                 continue
-            ticks = InForce(job, by_job.get(job.key, [])).due(start, until)
+            ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
             expected += [(job.key, tick) for tick in ticks]
         return expected
 
 
-class InForce:
-    """The schedules of one job in force over time, as the replicas registered them.
-
-    Replicas that agree (the usual case) make this the job's own schedule. When
-    they differ (a rolling deploy), a tick is due only if every schedule in
-    force at that tick contains it; the schedule of a replica that is gone stays
-    in force until a live replica runs another one, so the ticks of a fleet
-    that was down are judged by the schedule it had.
-    """
-
-    def __init__(self, job: CatalogJob, registered: list[ledger.Registration]) -> None:
-        assert job.trigger is not None
-        self.job = job
-        self.own = schedule_text(job)
-        self.registered = registered
-        self.triggers: dict[str, BaseTrigger | None] = {self.own: job.trigger}
-        for r in registered:
-            if r.schedule is not None and r.schedule not in self.triggers:
-                self.triggers[r.schedule] = trigger_of(r.schedule)
-
-    def due(self, start: datetime, until: datetime) -> list[datetime]:
-        if all(r.schedule == self.own for r in self.registered):
-            return ticks_between(self.job.trigger, start, until, MISSED_LIMIT)
-        candidates: set[datetime] = set()
-        for trigger in self.triggers.values():
-            if trigger is not None:
-                candidates.update(ticks_between(trigger, start, until, MISSED_LIMIT))
-        return sorted(t for t in candidates if self._agreed(t))[-MISSED_LIMIT:]
-
-    def _agreed(self, tick: datetime) -> bool:
-        in_force = [
-            r for r in self.registered if r.since <= tick and (r.until is None or tick <= r.until)
-        ]
-        if not in_force:  # before any replica registered: the job's own schedule
-            return _contains(self.job.trigger, tick)
-        return all(
-            r.schedule is not None and _contains(self.triggers.get(r.schedule), tick)
-            for r in in_force
-        )
+def known_to_last(row: ledger.TickRow, seen: datetime | None, live: set[str]) -> float | None:
+    """How long a crashed run is known to have gone on: until its replica, gone, was last
+    seen alive (None: not known; a live replica that lost the lock may still run it)."""
+    if row.started_at is None or row.instance in live:
+        return None
+    alive = max(row.started_at, seen) if seen is not None else row.started_at
+    return round((alive - row.started_at).total_seconds(), 6)
 
 
-def _contains(trigger: BaseTrigger | None, tick: datetime) -> bool:
-    return trigger is not None and tick_after(trigger, tick - timedelta(microseconds=1)) == tick
+def named(items: list[str]) -> str:
+    """At most `NAMED_IN_A_LINE` of them, then how many more: a log line stays a line."""
+    shown = ", ".join(items[:NAMED_IN_A_LINE])
+    rest = len(items) - NAMED_IN_A_LINE
+    return f"{shown} and {rest} more" if rest > 0 else shown

@@ -31,6 +31,7 @@ from sqlalchemy import (
     delete,
     desc,
     false,
+    func,
     or_,
     select,
     text,
@@ -155,9 +156,10 @@ jobs = Table(
 
 # What each replica runs: every job it registered, under which name and schedule, since
 # when. A schedule is in force from `since` until `until` (NULL: still in force; set when
-# a replica that is gone is superseded by one with another schedule). The sweep records
-# a tick missed only if every schedule in force at that tick contains it, so replicas
-# that differ (a rolling deploy) never have the ticks of one recorded missed for the other.
+# the replica changes the job's schedule (a reload, a restart with another config), or
+# when a replica that is gone is superseded by one with another schedule). The rows a
+# change ends are kept (until `retention_days`): which ticks were due is judged by the
+# schedules in force at each tick (scheduler.due), never by today's.
 registrations = Table(
     "scheduler_registrations",
     metadata,
@@ -165,8 +167,18 @@ registrations = Table(
     Column("job_key", Integer, primary_key=True),
     Column("job_name", Text, nullable=False),
     Column("schedule", Text),  # canonical (catalog.schedule_text); NULL: not scheduled
-    Column("since", UTCDateTime(), nullable=False),
+    Column("since", UTCDateTime(), primary_key=True),
     Column("until", UTCDateTime()),
+)
+
+# When each replica was last known to be alive: its housekeeping pass writes its row
+# (one row per replica, one write per pass). A run found `crashed` lasted at least until
+# then (the sweep records that much of it as its duration).
+seen = Table(
+    "scheduler_seen",
+    metadata,
+    Column("instance", Text, primary_key=True),
+    Column("seen_at", UTCDateTime(), nullable=False),
 )
 
 # The outbox: a notice (an alert, a recovery) is written in the transaction that changes
@@ -488,12 +500,59 @@ def existing_ticks(
     return found
 
 
-def mark_crashed(conn: Connection, key: int, run_id: int, error: str, now: datetime) -> bool:
-    """A running row whose lock is free: its replica died. Conditional, like every update."""
+def mark_crashed(
+    conn: Connection,
+    key: int,
+    run_id: int,
+    error: str,
+    now: datetime,
+    lasted: float | None = None,
+) -> bool:
+    """A running row whose lock is free: its replica died. Conditional, like every update.
+
+    `lasted`: how long the run was known to be going (until its replica was last
+    seen alive), kept as its duration: it ran at least that long.
+    """
     result = conn.execute(
         update(ticks)
         .where(ticks.c.job_key == key, ticks.c.run_id == run_id, ticks.c.status == Status.RUNNING)
-        .values(status=Status.CRASHED, finished_at=now, error=error)
+        .values(status=Status.CRASHED, finished_at=now, error=error, duration_s=lasted)
+    )
+    return result.rowcount == 1
+
+
+@dataclass(frozen=True)
+class PendingRetry:
+    key: int
+    job: str
+    scheduled_at: datetime
+    retry_at: datetime
+
+
+def pending_retries(conn: Connection, due_before: datetime) -> list[PendingRetry]:
+    """Failed ticks whose next attempt was due before `due_before` (the retry_at index)."""
+    query = (
+        select(ticks.c.job_key, ticks.c.job_name, ticks.c.scheduled_at, ticks.c.retry_at)
+        .where(ticks.c.retry_at.is_not(None), ticks.c.retry_at < due_before)
+        .order_by(ticks.c.scheduled_at, ticks.c.job_key)
+    )
+    return [PendingRetry(*row) for row in conn.execute(query)]
+
+
+def end_retry(conn: Connection, retry: PendingRetry, why: str) -> bool:
+    """The tick's failed attempt is its last: no next one (conditional: one not yet taken)."""
+    result = conn.execute(
+        update(ticks)
+        .where(
+            ticks.c.job_key == retry.key,
+            ticks.c.scheduled_at == retry.scheduled_at,
+            ticks.c.status == Status.FAILED,
+            ticks.c.retry_at == retry.retry_at,
+        )
+        .values(
+            retry_at=None,
+            error=func.coalesce(ticks.c.error + "; ", "") + why,
+        )
     )
     return result.rowcount == 1
 
@@ -729,8 +788,16 @@ def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Re
         query = query.where(registrations.c.job_key.in_(keys))
     return [
         Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
-        for r in conn.execute(query.order_by(registrations.c.job_key, registrations.c.instance))
+        for r in conn.execute(
+            query.order_by(registrations.c.job_key, registrations.c.instance, registrations.c.since)
+        )
     ]
+
+
+def registered_instances(conn: Connection) -> set[str]:
+    """The replicas that have some schedule in force (an open registration)."""
+    query = select(registrations.c.instance).where(registrations.c.until.is_(None)).distinct()
+    return set(conn.execute(query).scalars())
 
 
 def register(
@@ -740,9 +807,14 @@ def register(
     live: set[str],
     now: datetime,
 ) -> None:
-    """This replica's jobs and schedules, in force from now, or from when a replica now gone
-    began the same schedule (whose rows this one takes over: the table stays about one
-    row per live replica and job, plus schedules a change left behind)."""
+    """This replica's jobs and schedules, in force from now.
+
+    A schedule it already runs keeps its `since`; one that a replica now gone
+    began is taken over from then (the gone replica's row goes: the table stays
+    about one open row per live replica and job). A schedule this replica ran and
+    runs no more (a reload, a restart with another config.yaml) ends now, and its
+    row stays: the ticks from before the change are judged by it (scheduler.due).
+    """
     found = registrations_of(conn)
     heirs: dict[tuple[int, str | None], datetime] = {}
     for r in found:
@@ -763,26 +835,50 @@ def register(
                 registrations.c.instance.not_in([*live, instance]),
             )
         )
-    mine = {r.key: r for r in found if r.instance == instance}
-    rows = []
+    mine = {r.key: r for r in found if r.instance == instance and r.until is None}
+    rows, renamed = [], []
     for key, name, schedule in sorted(entries):
-        since = heirs.get((key, schedule), now)
         known = mine.pop(key, None)
-        if known is not None and known.schedule == schedule and known.until is None:
-            since = min(since, known.since)
-        rows.append(
-            {
-                "instance": instance,
-                "job_key": key,
-                "job_name": name,
-                "schedule": schedule,
-                "since": since,
-                "until": None,
-            }
+        if known is not None and known.schedule == schedule:
+            if known.name != name:
+                renamed.append((key, name))
+            continue
+        since = heirs.get((key, schedule), now)
+        if known is not None:
+            _end(conn, known, now if since != known.since else None)
+        row = {"instance": instance, "job_key": key, "job_name": name, "schedule": schedule}
+        rows.append({**row, "since": since, "until": None})
+    for known in mine.values():  # jobs this replica no longer has
+        _end(conn, known, now)
+    for key, name in renamed:
+        conn.execute(
+            update(registrations)
+            .where(
+                registrations.c.instance == instance,
+                registrations.c.job_key == key,
+                registrations.c.until.is_(None),
+            )
+            .values(job_name=name)
         )
-    conn.execute(delete(registrations).where(registrations.c.instance == instance))
     if rows:
         conn.execute(registrations.insert(), rows)
+
+
+def _key_of(row: Registration) -> tuple[Any, ...]:
+    return (
+        registrations.c.instance == row.instance,
+        registrations.c.job_key == row.key,
+        registrations.c.since == row.since,
+    )
+
+
+def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
+    """A schedule is no longer in force from `at` (None: it never was: its row goes)."""
+    where = _key_of(row)
+    if at is None:
+        conn.execute(delete(registrations).where(*where))
+    else:
+        conn.execute(update(registrations).where(*where).values(until=at))
 
 
 def supersede(conn: Connection, live: set[str], now: datetime) -> int:
@@ -794,27 +890,64 @@ def supersede(conn: Connection, live: set[str], now: datetime) -> int:
     for r in found:
         gone = r.instance not in live and r.until is None
         if gone and r.key in live_keys and (r.key, r.schedule) not in running:
-            conn.execute(
-                update(registrations)
-                .where(registrations.c.instance == r.instance, registrations.c.job_key == r.key)
-                .values(until=now)
-            )
+            _end(conn, r, now)
             ended += 1
     return ended
 
 
-def reassert(conn: Connection, instance: str) -> int:
+def reassert(
+    conn: Connection, instance: str, entries: list[tuple[int, str, str | None]], now: Any
+) -> int:
     """A live replica's schedules are in force, whatever another replica concluded while
-    this one was starting (registered, not yet live) or reconnecting: see `supersede`."""
-    statement = (
-        update(registrations)
-        .where(registrations.c.instance == instance, registrations.c.until.is_not(None))
-        .values(until=None)
+    this one was starting (registered, not yet live) or reconnecting: see `supersede`,
+    and `register`, which takes over the rows of a replica that looks gone. Returns how
+    many rows it put back.
+
+    Its newest row of each of its jobs (`entries`) is reopened if it is this schedule's,
+    and one from now is added if it is gone or another; the rows its own changes ended
+    stay ended.
+    """
+    query = select(registrations).where(registrations.c.instance == instance)
+    newest = {r.job_key: r for r in conn.execute(query.order_by(registrations.c.since))}
+    put_back = 0
+    for key, name, schedule in entries:
+        row = newest.get(key)
+        if row is not None and row.until is None:
+            continue
+        if row is not None and row.schedule == schedule:
+            found = Registration(instance, key, name, schedule, row.since, row.until)
+            conn.execute(update(registrations).where(*_key_of(found)).values(until=None))
+        else:
+            conn.execute(
+                registrations.insert().values(
+                    instance=instance, job_key=key, job_name=name, schedule=schedule, since=now
+                )
+            )
+        put_back += 1
+    return put_back
+
+
+def mark_seen(conn: Connection, instance: str, now: Any) -> None:
+    """This replica is alive now (see `seen`)."""
+    statement = upsert(conn, seen).values(instance=instance, seen_at=now)
+    conn.execute(
+        statement.on_conflict_do_update(
+            index_elements=[seen.c.instance], set_={"seen_at": statement.excluded.seen_at}
+        )
     )
-    return conn.execute(statement).rowcount or 0
+
+
+def seen_at(conn: Connection, instances: list[str]) -> dict[str, datetime]:
+    """When each of these replicas was last known to be alive (those it knows)."""
+    if not instances:
+        return {}
+    query = select(seen.c.instance, seen.c.seen_at).where(seen.c.instance.in_(instances))
+    return {row.instance: row.seen_at for row in conn.execute(query)}
 
 
 def prune_registrations(conn: Connection, older_than: datetime) -> int:
+    """Schedules that ended before `older_than`, and replicas not seen since then."""
+    conn.execute(delete(seen).where(seen.c.seen_at < older_than))
     return (
         conn.execute(
             delete(registrations).where(

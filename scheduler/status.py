@@ -6,15 +6,16 @@ are documented in docs/cli.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine
 
-from scheduler import agreement, ledger, pauses
+from scheduler import agreement, due, ledger, pauses
 from scheduler.backends import Backend
 from scheduler.backends.embedded import READ_ONLY
-from scheduler.catalog import Catalog, schedule_text
+from scheduler.catalog import Catalog, CatalogJob, schedule_text
 from scheduler.statuses import FINISHED
 
 
@@ -50,6 +51,14 @@ def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]
     return out
 
 
+def next_ticks(backend: Backend, job: CatalogJob, now: datetime, n: int) -> list[datetime]:
+    """The job's next `n` ticks as the live replicas fire them (scheduler.due)."""
+    with backend.ledger_engine.connect() as conn:
+        live = {i["name"] for i in backend.live_instances(conn)}
+        registered = ledger.registrations_of(conn, [job.key])
+    return due.upcoming(job, registered, live, now, n)
+
+
 def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str, Any]:
     # One read transaction; the embedded backend reads its file locks without taking
     # any (a probe could make a concurrent claim see its lock as taken).
@@ -60,16 +69,24 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         states = ledger.job_states(conn)
         paused = pauses.paused_jobs(conn)
         live = {i["name"] for i in instances}
-        variants = agreement.live_schedules(ledger.registrations_of(conn), live)
+        registered = ledger.registrations_of(conn)
+        variants = agreement.live_schedules(registered, live)
         latest = ledger.latest_of(conn, [job.key for job in catalog], FINISHED)
+        gone = sorted({r.instance for r in running.values() if r.instance not in live})
+        seen = ledger.seen_at(conn, [name for name in gone if name])
+        by_job: dict[int, list[ledger.Registration]] = {}
+        for r in registered:
+            by_job.setdefault(r.key, []).append(r)
         jobs = []
         for job in catalog:
             state = states.get(job.key, {})
             run = running.get(job.key)
             last = latest.get(job.key)
+            upcoming = due.upcoming(job, by_job.get(job.key, []), live, now, 1)
             jobs.append(
                 {
                     **job.as_json(now),
+                    "next_tick": job.local(upcoming[0]) if upcoming else None,
                     "running": None
                     if run is None
                     else {
@@ -78,6 +95,11 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
                         "scheduled_at": ledger.iso(run.scheduled_at),
                         "run_id": run.run_id,
                         "lock_held_by": holders.get(job.key),
+                        # Its replica is gone and nobody holds the lock: the sweep will
+                        # record it crashed; until then it is shown so, not as running.
+                        "replica_gone": run.instance not in live and job.key not in holders,
+                        "last_seen": ledger.iso(seen.get(run.instance or "")),
+                        "past_timeout_since": ledger.iso(past_timeout(job, run, now)),
                     },
                     "last_run": None
                     if last is None
@@ -117,3 +139,23 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         # What the backend finds wrong under the fleet (embedded: a lock folder that is gone).
         "notes": notes() if callable(notes) else [],
     }
+
+
+def past_timeout(job: CatalogJob, run: ledger.TickRow, now: datetime) -> datetime | None:
+    """Since when a run still going is past its job's `timeout` (this config.yaml's), if it is:
+    a thread cannot be stopped, so a timed-out thread job may run on for long."""
+    if job.timeout is None or run.started_at is None:
+        return None
+    due_by = run.started_at + job.timeout
+    return due_by if now > due_by else None
+
+
+def running_words(run: dict[str, Any], when: Callable[[str | None], str]) -> str:
+    """A run in `fleet_status` as the command and the page say it (`when`: an instant)."""
+    said = f"on {run['instance']} since {when(run['since'])}"
+    if run["replica_gone"]:
+        seen = f", last seen {when(run['last_seen'])}" if run["last_seen"] else ""
+        return f"{said}: replica gone, not yet marked{seen}"
+    if run["past_timeout_since"]:
+        return f"{said}: past its timeout since {when(run['past_timeout_since'])}"
+    return said

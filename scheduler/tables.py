@@ -43,3 +43,9 @@ def duration(seconds: float | None) -> str:
         return f"{minutes}m{rest:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def lasted(status: str, seconds: float | None) -> str:
+    """A row's duration; a crashed run's is what is known of it, so at least that."""
+    said = duration(seconds)
+    return f"at least {said}" if said and status == "crashed" else said

@@ -8,7 +8,7 @@ atomically and in one round trip, following the protocol told in
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -66,6 +66,16 @@ class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at on
     crashed: int = 0  # stale `running` rows this claim marked crashed
     notices: tuple[int, ...] = ()  # outbox notices this claim raised (see `scheduler.notices`)
     attempt: int = 1  # a retry (job `retries`): 2 for the first retry, and so on
+
+
+@dataclass(frozen=True)
+class Crashes:
+    """Runs of one job found crashed: how many, and the newest one's tick. They count as
+    failures (`count_crashes`)."""
+
+    request: ClaimRequest  # what found them: the job's name and fail_alert_after
+    count: int
+    newest: datetime
 
 
 class Retries(NamedTuple):
@@ -216,6 +226,11 @@ class LedgerStore(Protocol):
 
     def lock_holders(self, conn: Connection) -> dict[int, str]:
         """Job key -> instance holding its lock now."""
+
+    def count_crashes(self, conn: Connection, crashes: Mapping[int, Crashes]) -> dict[int, int]:
+        """Crashed runs count as failures (the claim's rule, for the sweep): each job's
+        failure streak grows, and alerts once at its threshold; job key -> the alert's
+        notice. Takes the jobs' rows in key order: call it after any tick rows."""
 
 
 class Backend(LockStore, LedgerStore, Protocol):

@@ -18,7 +18,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from scheduler import ledger
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
+    Crashes,
     FinishRequest,
     FinishResult,
     Retries,
@@ -319,6 +320,10 @@ class EmbeddedBackend:
                 }
             )
         return out
+
+    def count_crashes(self, conn: Connection, crashes: Mapping[int, Crashes]) -> dict[int, int]:
+        """The claim's own step (Steps.count_crashes), inside the caller's transaction."""
+        return Steps(conn, self.locks, self.instance, self.clock()).count_crashes(crashes)
 
     def lock_holders(self, conn: Connection) -> dict[int, str]:
         """Held job locks, read without taking any; the holder's name is the ledger's."""

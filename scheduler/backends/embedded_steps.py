@@ -20,6 +20,7 @@ from scheduler import ledger
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
+    Crashes,
     FinishRequest,
     Intent,
     Outcome,
@@ -48,15 +49,6 @@ class Tick:
     @property
     def key(self) -> int:
         return self.request.key
-
-
-@dataclass(frozen=True)
-class Crashes:
-    """Stale runs of one job a claim marked crashed: how many, and the newest one's tick."""
-
-    request: ClaimRequest  # the claim or retry that found them (job name, fail threshold)
-    count: int
-    newest: datetime
 
 
 class Steps:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -29,6 +29,7 @@ from scheduler import ledger
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
+    Crashes,
     FinishRequest,
     FinishResult,
     Intent,
@@ -509,3 +510,17 @@ class PostgresBackend:
         """Job key -> the instance whose session holds its lock right now."""
         rows = conn.execute(QUERIES["lock_holders"], {"ns": self.namespace})
         return {int(row.key): row.name for row in rows}
+
+    def count_crashes(self, conn: Connection, crashes: Mapping[int, Crashes]) -> dict[int, int]:
+        """scheduler_count_crashes in postgres.sql, the claim's own step."""
+        found = [crashes[key] for key in sorted(crashes)]
+        params = {
+            "instance": self.instance,
+            "keys": pg_numbers([c.request.key for c in found]),
+            "names": pg_texts([c.request.name for c in found]),
+            "counts": pg_numbers([c.count for c in found]),
+            "ticks": pg_times([c.newest for c in found]),
+            "thresholds": pg_numbers([c.request.fail_threshold for c in found]),
+        }
+        rows = conn.execute(QUERIES["count_crashes"], params)
+        return {row.key: row.notice for row in rows if row.notice is not None}

@@ -31,6 +31,12 @@ SELECT k AS key FROM scheduler_release_strays(:ns, CAST(:expected AS integer[]))
 SELECT key FROM scheduler_locks(:ns)
  WHERE pid = pg_backend_pid() AND NOT shared AND key BETWEEN 1 AND 2147483647
 
+-- name: count_crashes
+-- Runs the sweep found crashed, counted as failures (scheduler_count_crashes).
+SELECT key, failures, notice FROM scheduler_count_crashes(:instance, CAST(:keys AS integer[]),
+    CAST(:names AS text[]), CAST(:counts AS integer[]), CAST(:ticks AS timestamptz[]),
+    CAST(:thresholds AS integer[]))
+
 -- name: heartbeat
 -- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py),
 -- for the next retry of a job that is not paused (seconds from now), and whether its node

@@ -155,12 +155,29 @@ def _v6_retries_and_catch_up(conn: Connection) -> None:
     conn.execute(ledger.RETRY_INDEX)
 
 
+def _v7_schedule_history(conn: Connection) -> None:
+    """A replica's schedule of a job that changed is kept (ended), beside the one in force:
+    the registrations' key gains `since`. When replicas were last seen alive."""
+    ledger.seen.create(conn, checkfirst=True)
+    table = ledger.registrations.name
+    found = inspect(conn).get_pk_constraint(table)
+    if "since" in found["constrained_columns"]:
+        return
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f'ALTER TABLE {table} DROP CONSTRAINT "{found["name"]}",'
+            " ADD PRIMARY KEY (instance, job_key, since)"
+        )
+        return
+    conn.exec_driver_sql(f"ALTER TABLE {table} RENAME TO {table}_old")
+    ledger.registrations.to_metadata(MetaData()).create(conn)
+    names = ", ".join(column.name for column in ledger.registrations.columns)
+    conn.exec_driver_sql(f"INSERT INTO {table} ({names}) SELECT {names} FROM {table}_old")
+    conn.exec_driver_sql(f"DROP TABLE {table}_old")
+
+
 def _v2_lean_claims(conn: Connection) -> None:
     """v2 changed only the SQL functions (claims leave other replicas' ticks out)."""
-
-
-def _v7_stray_locks(conn: Connection) -> None:
-    """v7 changed only the SQL functions (scheduler_release_strays: the lock invariant)."""
 
 
 # Each step brings the tables from the version before to its own; the SQL functions
@@ -172,7 +189,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (4, _v4_pauses),
     (5, _v5_drift),
     (6, _v6_retries_and_catch_up),
-    (7, _v7_stray_locks),
+    (7, _v7_schedule_history),
 ]
 CURRENT_VERSION = max(version for version, _ in MIGRATIONS)
 

@@ -130,7 +130,8 @@ def describe(tick: Tick, now: datetime) -> str:
     if duration is None and tick.status == Status.RUNNING and tick.started_at:
         duration = (now - tick.started_at).total_seconds()
     if duration is not None:
-        lines.append(f"duration {seconds_text(duration)}")
+        known = "at least " if tick.status == Status.CRASHED else ""
+        lines.append(f"duration {known}{seconds_text(duration)}")
     if tick.error:
         error = tick.error if len(tick.error) <= 300 else tick.error[:299] + "…"
         lines.append(f"error: {error}")

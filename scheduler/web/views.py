@@ -9,7 +9,7 @@ line never disagree; the timeline reads its window through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import desc, select
@@ -18,7 +18,7 @@ from scheduler import alerts, ledger
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob
 from scheduler.ledger import TickFilter
-from scheduler.status import fleet_status, history
+from scheduler.status import fleet_status, history, next_ticks
 from scheduler.statuses import FINISHED, Status
 from scheduler.web import plot, timeline, window, words
 
@@ -85,7 +85,7 @@ def _sorted(jobs: list[dict[str, Any]], sort: str) -> list[dict[str, Any]]:
 
 
 def _row(job: dict[str, Any], entry: CatalogJob | None, now: datetime) -> dict[str, Any]:
-    tick = entry.next_tick(now) if entry else None
+    tick = datetime.fromisoformat(job["next_tick"]).astimezone(UTC) if job["next_tick"] else None
     return {
         **job,
         "words": words.in_words(entry) if entry else job["schedule"],
@@ -138,7 +138,7 @@ def job_page(
     rows = rows[:HISTORY_PAGE]
     return {
         "job": _row(entry, job, now),
-        "next_ticks": [job.local(t) for t in job.next_ticks(now, 10)],
+        "next_ticks": [job.local(t) for t in next_ticks(backend, job, now, 10)],
         "history": rows,
         "older": rows[-1]["scheduled_at"] if more and rows else None,
         "paged": older_than is not None,

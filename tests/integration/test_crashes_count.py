@@ -110,3 +110,31 @@ def test_a_run_abandoned_at_shutdown_counts_as_a_failure(backends):
     assert failure_streak(a) == 1
     (alert,) = failure_alerts(a)
     assert alert["crashed"] == 1
+
+
+def test_runs_the_sweep_finds_crashed_count_as_failures(backends):
+    """The sweep is one more path that records `crashed`: its runs count too."""
+    from datetime import UTC, datetime
+
+    from scheduler.catalog import Catalog
+    from scheduler.config import Settings
+    from scheduler.housekeeping import Housekeeping
+    from tests.support import make_job
+
+    a, b = backends("a"), backends("b")
+    from dataclasses import replace
+
+    job = replace(make_job(KEY, lambda ctx: None, name="job"), fail_threshold=2)
+    keeper = Housekeeping(b, Catalog((job,)), Settings(instance_name="b"))
+    for ago in (25, 20):
+        claim_with(a, tick(ago), 1)
+        die(a)
+        with b.ledger_engine.begin() as conn:
+            crashed = keeper.sweep_crashed(conn, datetime.now(UTC), {"b"})
+            raised = keeper.count_crashes(conn, crashed)
+        assert len(crashed) == 1
+        a.connect()
+    assert failure_streak(b) == 2
+    assert len(raised) == 1  # the second crash reached the job's fail_alert_after
+    (alert,) = failure_alerts(b)
+    assert alert["crashed"] == 1 and alert["consecutive_failures"] == 2

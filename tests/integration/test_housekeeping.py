@@ -33,6 +33,13 @@ def settings(**values) -> Settings:
     return Settings(instance_name="hk", **values)
 
 
+def track(backend, job, since: datetime, instance: str = "hk") -> None:
+    """The job as a replica starts it at `since`: its state row and its schedule in force."""
+    ledger.track_jobs(backend.ledger_engine, [(job.key, job.name, job.describe())], since)
+    with backend.ledger_engine.begin() as conn:
+        ledger.register(conn, instance, [(job.key, job.name, schedule_text(job))], set(), since)
+
+
 def test_one_replica_at_a_time_does_the_chores(backend_factory):
     job = make_job(601, lambda ctx: None, name="chore")
     keepers = [
@@ -56,12 +63,12 @@ def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
     assert dead.claim([request], "dead", capacity=1)[0].outcome is Outcome.RUN
     keeper = Housekeeping(alive, Catalog((job,)), settings())
     with alive.ledger_engine.begin() as conn:
-        assert keeper.sweep_crashed(conn, datetime.now(UTC)) == 0  # its lock is still held
+        assert keeper.sweep_crashed(conn, datetime.now(UTC), {"alive"}) == []  # lock still held
     dead.close()  # the replica dies; its next tick is hours away
 
     def swept() -> bool:  # the server ends the session a moment after the client goes
         with alive.ledger_engine.begin() as conn:
-            return keeper.sweep_crashed(conn, datetime.now(UTC)) == 1
+            return len(keeper.sweep_crashed(conn, datetime.now(UTC), {"alive"})) == 1
 
     wait_for(swept, 10, "the sweep to find the dead replica's run")
     with alive.ledger_engine.connect() as conn:
@@ -73,9 +80,7 @@ def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
     backend = backend_factory("h")
     keeper = Housekeeping(backend, Catalog((job,)), settings())
     now = datetime.now(UTC).replace(microsecond=0)
-    ledger.track_jobs(
-        backend.ledger_engine, [(621, "lonely", "every 1s")], now - timedelta(minutes=10)
-    )
+    track(backend, job, now - timedelta(minutes=10))
     cutoff = now - job.misfire_grace - MISSED_MARGIN
     ran = cutoff - timedelta(seconds=5)
     with backend.ledger_engine.begin() as conn:
@@ -99,9 +104,7 @@ def test_missed_ticks_are_bounded_per_job(backend_factory):
     backend = backend_factory("h")
     keeper = Housekeeping(backend, Catalog((job,)), settings())
     now = datetime.now(UTC)
-    ledger.track_jobs(
-        backend.ledger_engine, [(631, "long_gone", "every 1s")], now - timedelta(days=3)
-    )
+    track(backend, job, now - timedelta(days=3))
     assert sweep_missed(keeper, now - timedelta(days=3), now) == 100
 
 
@@ -291,9 +294,7 @@ def test_a_sweep_cut_short_after_its_election_loses_no_missed_tick(backend_facto
     backend = backend_factory("h")
     keeper = Housekeeping(backend, Catalog((job,)), settings())
     now = datetime.now(UTC).replace(microsecond=0)
-    ledger.track_jobs(
-        backend.ledger_engine, [(641, "unlucky", "every 1s")], now - timedelta(minutes=2)
-    )
+    track(backend, job, now - timedelta(minutes=2))
     with backend.ledger_engine.begin() as conn:  # the last sweeps were two minutes ago
         conn.execute(
             update(ledger.maintenance)

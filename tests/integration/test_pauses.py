@@ -8,7 +8,7 @@ from sqlalchemy import select
 
 from scheduler import ledger, pauses
 from scheduler.backends.base import Intent, Outcome
-from scheduler.catalog import Catalog
+from scheduler.catalog import Catalog, schedule_text
 from scheduler.config import Settings
 from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
 from scheduler.status import fleet_status
@@ -114,6 +114,10 @@ def test_the_sweep_records_ticks_of_a_paused_job_paused_and_earlier_ones_missed(
     keeper = Housekeeping(backend, Catalog((job,)), Settings(instance_name="hk"))
     now = datetime.now(UTC).replace(microsecond=0)
     ledger.track_jobs(backend.ledger_engine, [(KEY, "job", "every 1s")], now - timedelta(minutes=5))
+    with backend.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.due)
+        ledger.register(
+            conn, "h", [(KEY, "job", schedule_text(job))], set(), now - timedelta(minutes=5)
+        )
     cutoff = now - job.misfire_grace - MISSED_MARGIN
     paused_at = cutoff - timedelta(seconds=10)
     with backend.ledger_engine.begin() as conn:

@@ -6,7 +6,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from scheduler import ledger
-from scheduler.catalog import Catalog
+from scheduler.catalog import Catalog, schedule_text
 from scheduler.config import Settings
 from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
 from tests.support import make_job
@@ -61,6 +61,10 @@ def test_the_sweep_never_records_a_tick_missed_before_it_is_due_by_the_ledgers_c
     a = replica(tmp_path, "a", connect=False, clock=lambda: now)
     keeper = Housekeeping(a, Catalog((job,)), Settings(instance_name="hk"))
     ledger.track_jobs(a.ledger_engine, [(631, "steady", "every 1s")], now - timedelta(hours=1))
+    with a.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.due)
+        ledger.register(
+            conn, "a", [(631, "steady", schedule_text(job))], set(), now - timedelta(hours=1)
+        )
     ahead = now + timedelta(hours=1)  # a sweep's `now` from a clock that was an hour ahead
     with a.ledger_engine.begin() as conn:
         keeper.sweep_missed(conn, ledger.job_states(conn), now - timedelta(seconds=60), ahead)

@@ -61,3 +61,32 @@ def test_text_status_shows_failures_schedules_and_pauses_in_one_zone(run):
     report = next(line for line in out.splitlines() if line.startswith("report "))
     assert "every 1m" in sync and "0/3" in sync and ("-05:00" in sync or "-04:00" in sync)
     assert "by ops since" in report and "audit" in report and "(paused)" in report
+
+
+def test_text_status_and_history_say_what_is_known_of_a_dead_replicas_runs(run, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from scheduler import ledger
+    from scheduler.backends.embedded import EmbeddedBackend
+
+    run("check")  # the ledger exists
+    backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="t", namespace=0)
+    backend.migrate()
+    at = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
+    base = {"instance": "gone-1", "started_at": at, "run_id": 1, "duration_s": None}
+    with backend.ledger_engine.begin() as conn:
+        conn.execute(
+            ledger.ticks.insert(),
+            [
+                {**base, "job_key": 2001, "job_name": "sync", "scheduled_at": at,
+                 "status": "running"},
+                {**base, "job_key": 2002, "job_name": "report", "scheduled_at": at,
+                 "status": "crashed", "duration_s": 185.0},
+            ],
+        )  # fmt: skip
+    backend.ledger_engine.dispose()
+    code, out, _ = run("status")
+    sync = next(line for line in out.splitlines() if line.startswith("sync "))
+    assert code == 0 and "on gone-1 since" in sync and "replica gone, not yet marked" in sync
+    code, out, _ = run("history", "report")
+    assert code == 0 and "at least 3m05s" in out

@@ -248,3 +248,14 @@ def test_protect_all_without_a_token_is_one_line_naming_both_settings(run, monke
     assert (
         "settings: http_protect: all needs http_token" in err and "scheduler.scheduler" not in err
     )
+
+
+def test_a_dead_replicas_run_and_a_crashed_runs_known_duration_are_told_as_such(project):
+    page = project()
+    gone = {**row(0, "running", instance="gone-1"), "finished_at": None, "duration_s": None}
+    crashed = {**row(90, "crashed", instance="gone-0"), "duration_s": 42.0}
+    add_ticks(page, [gone, crashed])
+    html = ask(page, "GET", "/jobs/sync").body.decode()
+    assert "replica gone, not yet marked" in html
+    assert "at least 42.00 s" in html
+    assert "replica gone, not yet marked" in ask(page, "GET", "/").body.decode()

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from scheduler import events
-from scheduler.catalog import CatalogJob
-from scheduler.catch_up import plan
+from scheduler.catalog import CatalogJob, schedule_text
+from scheduler.catch_up import fleet_up, plan
 from scheduler.config import JobConfig
 from scheduler.gate import Gate
+from scheduler.ledger import Registration
 from scheduler.registry import JobSpec
 from scheduler.statuses import Status
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
@@ -89,23 +90,55 @@ def test_policy_fields_that_contradict_are_one_line(run, tmp_path, lines, says):
     assert code == 2 and "jobs.sync" in err and says in err and err.count("\n") == 1, err
 
 
+def in_force(j: CatalogJob, since: datetime, instance: str = "r1") -> list[Registration]:
+    """The job's own schedule, registered by one replica at `since`."""
+    return [Registration(instance, j.key, j.name, schedule_text(j), since, None)]
+
+
 def test_catch_up_plans_the_newest_missing_ticks_oldest_first_and_misses_the_rest():
     j = job(interval="2s", catch_up="all", catch_up_window="1m", catch_up_limit=3)
     now = datetime(2026, 11, 30, 12, 0, 0, 500000, tzinfo=UTC)
     grid = [now.replace(microsecond=0) - timedelta(seconds=2 * n) for n in range(30)]
     have = set(grid[8:])  # the ledger has every tick up to 16 s ago
-    to_run, missed = plan(j, now, have, tracked_since=None)
+    to_run, missed = plan(j, in_force(j, now - timedelta(hours=1)), now, now, have)
     assert to_run == sorted(grid[:3])
     assert missed == sorted(grid[3:8])
 
 
-def test_catch_up_looks_no_further_back_than_the_window_or_the_job_itself():
+def test_catch_up_looks_at_every_missing_tick_of_the_window_not_the_newest_few():
+    """The fleet ran two ticks, then was down: every later tick of the window is judged,
+    so no pass leaves an older missing tick for a later pass to run out of order."""
+    j = job(interval="2s", catch_up="all", catch_up_window="1m", catch_up_limit=3)
+    minute = datetime(2026, 12, 2, 0, 45, tzinfo=UTC)
+    at = [minute + timedelta(seconds=s) for s in range(60)]
+    now = at[29] + timedelta(microseconds=70000)
+    to_run, missed = plan(j, in_force(j, at[11]), now, now, {at[12], at[14]})
+    assert to_run == [at[24], at[26], at[28]]
+    assert missed == [at[16], at[18], at[20], at[22]]
+
+
+def test_catch_up_looks_no_further_back_than_the_window_or_the_schedule_in_force():
     j = job(interval="2s", catch_up="all", catch_up_window="10s", catch_up_limit=10)
     now = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
-    to_run, missed = plan(j, now, set(), tracked_since=None)
+    to_run, missed = plan(j, in_force(j, now - timedelta(hours=1)), now, now, set())
     assert to_run[0] > now - timedelta(seconds=10) and len(to_run) == 5 and not missed
-    to_run, _ = plan(j, now, set(), tracked_since=now - timedelta(seconds=3))
+    to_run, _ = plan(j, in_force(j, now - timedelta(seconds=3)), now, now, set())
     assert to_run == [now - timedelta(seconds=2), now]
+
+
+def test_catch_up_leaves_the_ticks_after_the_fleet_came_up_to_the_replicas_that_fire_them():
+    j = job(interval="2s", catch_up="all", catch_up_window="1m", catch_up_limit=3)
+    now = datetime(2026, 11, 30, 12, 0, 0, 500000, tzinfo=UTC)
+    up = now - timedelta(seconds=5)
+    to_run, _ = plan(j, in_force(j, now - timedelta(hours=1)), now, up, set())
+    assert to_run == [now - timedelta(seconds=s, microseconds=500000) for s in (10, 8, 6)]
+    registered = in_force(j, now - timedelta(hours=1))
+    live = [{"name": "r1", "since": up}, {"name": "runs-others", "since": up - timedelta(1)}]
+    assert fleet_up(now, live, registered, {"r1", "runs-others"}) == up
+    # A replica whose rows another took over while it started: taken to fire the job.
+    live.append({"name": "r2", "since": up - timedelta(seconds=1)})
+    assert fleet_up(now, live, registered, {"r1", "runs-others"}) == up - timedelta(seconds=1)
+    assert fleet_up(now, [], registered, {"r1"}) == now
 
 
 class JobsHere:

@@ -161,8 +161,11 @@ def test_a_reload_applies_a_valid_file_and_an_invalid_one_changes_nothing(projec
         interval = daemon.scheduler.get_job("sync").trigger
         assert interval is daemon.catalog.by_name("sync").trigger
         with backend.ledger_engine.connect() as conn:
-            mine = {r.name: r.schedule for r in ledger.registrations_of(conn)}
+            found = ledger.registrations_of(conn, [3001])
+        mine = {r.name: r.schedule for r in found if r.until is None}
         assert '"interval":1.0' in mine["sync"]
+        (ended,) = [r for r in found if r.until is not None]  # kept: it judges the past
+        assert '"interval":2.0' in (ended.schedule or "") and ended.until == found[-1].since
         assert "job code is not reloaded" in caplog.text
 
         edit(project, "interval: 1s", "interval: -1s")
