@@ -56,6 +56,7 @@ log = logging.getLogger("scheduler.gate")
 
 RETRY_LOOK_AGAIN = 1.0  # seconds before a look for due retries that failed is made again
 REQUESTS_LOOK_EVERY = 1.0  # seconds between looks for run-now requests, without notifications
+CAUGHT_UP, ASKED = frozenset({Intent.CATCH_UP}), frozenset({Intent.MANUAL})
 
 
 Clock = Callable[[], datetime]
@@ -317,14 +318,16 @@ class Gate:
             return
         self._guard(self._record_finishes)
         self._guard(self._take_requests)
-        # Scheduled ticks first: a run-now taken in the same step never takes a due
+        # Oldest first: ticks caught up after downtime, then the scheduled ones, then
+        # run-now requests, so that a run-now taken in the same step never takes a due
         # tick's place (its lock would make the tick `skipped`).
+        self._guard(lambda: self._locking(lambda: self._claim_manual(CAUGHT_UP), "catch-up"))
         self._guard(
             lambda: self._locking(
                 lambda: self.claims.queued(self._free_slots(), self._running), "claim"
             )
         )
-        self._guard(lambda: self._locking(self._claim_manual, "run-now or catch-up claim"))
+        self._guard(lambda: self._locking(lambda: self._claim_manual(ASKED), "run-now claim"))
         self._guard(lambda: self._locking(self._claim_retries, "look for due retries"))
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
@@ -436,10 +439,12 @@ class Gate:
         with self._mutex:
             self._manual.append((job, tick, result, intent))
 
-    def _claim_manual(self) -> bool:
-        """Claim the manual and caught-up ticks; returns whether a claim failed."""
+    def _claim_manual(self, intents: frozenset[Intent]) -> bool:
+        """Claim the queued manual ticks of these intents (run-now, caught-up); returns
+        whether a claim failed."""
         with self._mutex:
-            manual, self._manual = self._manual, []
+            manual = [entry for entry in self._manual if entry[3] in intents]
+            self._manual = [entry for entry in self._manual if entry[3] not in intents]
         failed = False
         for i, (job, tick, result, intent) in enumerate(manual):
             if self._stopping_runs.is_set():  # shutting down: nothing new starts here

@@ -362,3 +362,17 @@ def test_without_notifications_the_gate_looks_for_run_now_requests_every_second(
         assert gate._wait_time() <= 1.0  # not the heartbeat's 10 s
     finally:
         backend.close()
+
+
+def test_a_tick_caught_up_after_downtime_is_claimed_before_a_due_one(gate_over_file):
+    """Oldest first: the caught-up tick takes the lock; the due tick of the same moment
+    finds it held (recorded skipped) rather than the catch-up waiting behind every tick."""
+    from concurrent.futures import Future
+
+    gate, seen, _, _ = gate_over_file()
+    job = make_job(95, lambda ctx: None, name="backlog")
+    old, due = now_tick(-10), now_tick()
+    gate._queue_manual(job, Future(), old, Intent.CATCH_UP)
+    gate.submit(job, due)
+    settle(gate, lambda: seen.of(events.RunStarted), "a run")
+    assert seen.of(events.RunStarted)[0].scheduled_at == old
