@@ -238,6 +238,15 @@ schema_version = Table(
     Column("applied_at", UTCDateTime(), nullable=False),
 )
 
+# PostgreSQL only: which postgres.sql is installed (its sha256), by which version.
+functions_installed = Table(
+    "scheduler_functions",
+    metadata,
+    Column("sha256", Text, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("installed_at", UTCDateTime(), nullable=False),
+)
+
 # Embedded mode only: SQLite has no sequences.
 counters = Table(
     "scheduler_counters",

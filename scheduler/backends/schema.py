@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import Connection, func, insert, select, text
+from sqlalchemy import Connection, delete, func, insert, select, text
 
 from scheduler import ledger
 from scheduler.backends.migrations import LATEST, Migration, functions_sql, migrations, sha256
@@ -72,7 +72,7 @@ def _install_functions(conn: Connection, again: bool) -> None:
     """
     body = functions_sql()
     digest = sha256(body)
-    installed = conn.execute(text("SELECT sha256 FROM scheduler_functions")).scalars().all()
+    installed = conn.execute(select(ledger.functions_installed.c.sha256)).scalars().all()
     if installed == [digest] and not again:
         return
     conn.exec_driver_sql(
@@ -92,13 +92,11 @@ def _install_functions(conn: Connection, again: bool) -> None:
         """
     )
     conn.exec_driver_sql(body)
-    conn.exec_driver_sql("DELETE FROM scheduler_functions")
+    conn.execute(delete(ledger.functions_installed))
     conn.execute(
-        text(
-            "INSERT INTO scheduler_functions (sha256, version, installed_at)"
-            " VALUES (:digest, :version, now())"
-        ),
-        {"digest": digest, "version": CURRENT_VERSION},
+        insert(ledger.functions_installed).values(
+            sha256=digest, version=CURRENT_VERSION, installed_at=datetime.now(UTC)
+        )
     )
 
 
