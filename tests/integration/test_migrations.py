@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -93,7 +93,7 @@ def make_old_ledger(commit: str, version: int, url: str, tmp: Path) -> None:
 
 
 @pytest.fixture
-def new_database(pg_server: str) -> Iterator[callable]:
+def new_database(pg_server: str) -> Iterator[Callable[[], str]]:
     """Databases of this test's own, dropped at its end."""
     made = []
 
