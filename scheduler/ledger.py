@@ -1,5 +1,8 @@
 """The ledger's tables and the queries of housekeeping and the commands, in SQLAlchemy 2.
 
+The tables are made by the migration files (scheduler/backends/migrations); the Table
+objects here describe them for the queries, and a test holds the two together.
+
 One row per (job key, scheduled tick): its primary key is what a claim
 inserts (the protocol is told in `scheduler.gate`). Both backends
 (PostgreSQL and the embedded SQLite file) use these tables and these queries.
@@ -15,12 +18,10 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
-    CheckConstraint,
     Column,
     Connection,
     DateTime,
     Float,
-    Index,
     Integer,
     MetaData,
     Sequence,
@@ -34,7 +35,6 @@ from sqlalchemy import (
     func,
     or_,
     select,
-    text,
     tuple_,
     union_all,
     update,
@@ -42,8 +42,6 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 
 from scheduler.statuses import Status
-
-STATUS_CHECK = "status IN (" + ", ".join(f"'{status}'" for status in Status) + ")"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -99,15 +97,8 @@ ticks = Table(
     Column("retry_at", UTCDateTime()),
     # Run after the fleet came back (`catch_up: all`), later than its misfire grace.
     Column("caught_up", Boolean, nullable=False, server_default=false()),
-    CheckConstraint(STATUS_CHECK, name="scheduler_ticks_status"),
-    Index("scheduler_ticks_scheduled_at", "scheduled_at"),
 )
 
-# Ticks waiting for their next attempt: every replica looks for due ones.
-RETRY_INDEX = text(
-    "CREATE INDEX IF NOT EXISTS scheduler_ticks_retry_at"
-    " ON scheduler_ticks (retry_at) WHERE retry_at IS NOT NULL"
-)
 
 # The earlier attempts of a tick that was retried (the tick's row holds the latest):
 # copied here by the claim that starts the next attempt.
@@ -127,14 +118,6 @@ attempts = Table(
     Column("told", Text),
 )
 
-# Runs still going, by job: every claim that starts a run looks for stale ones.
-# A partial index, created by the migration with the same statement on both
-# backends (declared on the table, it would make SQLAlchemy load the module of
-# every dialect it names, a megabyte or two of memory for nothing).
-RUNNING_INDEX = text(
-    "CREATE INDEX IF NOT EXISTS scheduler_ticks_running"
-    " ON scheduler_ticks (job_key) WHERE status = 'running'"
-)
 
 jobs = Table(
     "scheduler_jobs",
@@ -205,10 +188,6 @@ notices = Table(
     Column("outcome", Text),  # delivered, given_up
     sqlite_autoincrement=True,
 )
-PENDING_NOTICES_INDEX = text(
-    "CREATE INDEX IF NOT EXISTS scheduler_notices_pending"
-    " ON scheduler_notices (next_attempt_at) WHERE done_at IS NULL"
-)
 
 # Jobs paused for the whole fleet: while a job has a row here, its ticks are recorded
 # `paused` (by the claim, or by the sweep if no replica was up) and none runs; a manual
@@ -244,10 +223,6 @@ run_requests = Table(
     Column("finished_at", UTCDateTime()),
     sqlite_autoincrement=True,
 )
-PENDING_REQUESTS_INDEX = text(
-    "CREATE INDEX IF NOT EXISTS scheduler_requests_pending"
-    " ON scheduler_requests (id) WHERE taken_by IS NULL"
-)
 
 maintenance = Table(
     "scheduler_maintenance",
@@ -261,6 +236,15 @@ schema_version = Table(
     metadata,
     Column("version", Integer, primary_key=True),
     Column("applied_at", UTCDateTime(), nullable=False),
+)
+
+# PostgreSQL only: which postgres.sql is installed (its sha256), by which version.
+functions_installed = Table(
+    "scheduler_functions",
+    metadata,
+    Column("sha256", Text, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("installed_at", UTCDateTime(), nullable=False),
 )
 
 # Embedded mode only: SQLite has no sequences.

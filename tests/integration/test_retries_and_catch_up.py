@@ -3,6 +3,7 @@ two replicas, as in test_gate_protocol)."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -219,12 +220,8 @@ def _as_version_5(backend) -> None:
             made = conn.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE name = 'scheduler_ticks'"
             ).scalar_one()
-            kept = [
-                line
-                for line in made.splitlines()
-                if not line.strip().startswith(("attempt ", "retry_at ", "caught_up "))
-            ]
-            old = "\n".join(kept)
+            # Each column's definition, wherever ADD COLUMN put it (no commas inside).
+            old = re.sub(r",\s*(?:attempt|retry_at|caught_up) [^,]*", "", made)
             conn.exec_driver_sql("ALTER TABLE scheduler_ticks RENAME TO t_new")
             conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_scheduled_at")
             conn.exec_driver_sql("DROP INDEX IF EXISTS scheduler_ticks_running")

@@ -1,0 +1,2 @@
+-- Claims leave ticks owned by other replicas out of their answer: a change of the
+-- gate's functions only (postgres.sql), no table changed.

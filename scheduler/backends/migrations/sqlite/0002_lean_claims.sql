@@ -1,0 +1,1 @@
+-- A change of PostgreSQL's claim function only: nothing changes in the embedded file.

@@ -1,0 +1,1 @@
+-- The record of PostgreSQL's installed functions: the embedded file has no functions.
