@@ -11,6 +11,7 @@ lock timeout); on the embedded backend from each step of the claim.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -65,6 +66,7 @@ class Replica:
     seen: Recorder
     clock: FakeMonotonic
     fail: Callable[[str | None], None]  # inject at a point (None: stop injecting)
+    raised: list[BaseException]  # what the backend's claim calls raised, in order
 
     def held(self) -> set[int]:
         """The job locks its session holds, read from outside the gate."""
@@ -113,6 +115,9 @@ def replica(request, tmp_path) -> Iterator[Replica]:
     gate = Gate(
         backend, instance="r1", max_workers=4, holder_timeout=30, listeners=[seen], monotonic=clock
     )
+    raised: list[BaseException] = []
+    for name in ("claim", "claim_retries"):
+        setattr(backend, name, _spied(getattr(backend, name), raised))
     originals: list[tuple[object, str, Callable]] = []
 
     def fail(point: str | None) -> None:
@@ -133,7 +138,7 @@ def replica(request, tmp_path) -> Iterator[Replica]:
             originals.append((Steps, point, getattr(Steps, point)))
             setattr(Steps, point, _failing(point))
 
-    replica = Replica(gate, backend, seen, clock, fail)
+    replica = Replica(gate, backend, seen, clock, fail, raised)
     try:
         yield replica
     finally:
@@ -142,6 +147,17 @@ def replica(request, tmp_path) -> Iterator[Replica]:
         backend.close()
         if isinstance(backend, PostgresBackend):
             backend.ledger_engine.dispose()
+
+
+def _spied(call: Callable, raised: list[BaseException]) -> Callable:
+    def spy(*args: object, **kwargs: object) -> object:
+        try:
+            return call(*args, **kwargs)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    return spy
 
 
 def _failing(point: str) -> Callable:
@@ -206,34 +222,56 @@ def _drive(replica: Replica, until: Callable[[], object], what: str) -> None:
     wait_for(stepped, 30, what, every=0.02)
 
 
-def test_a_failed_scheduled_claim_leaves_no_lock(replica):
+def _said_failed(replica: Replica, caplog: pytest.LogCaptureFixture, what: str) -> None:
+    """A claim call of any intent that failed is logged (WARNING or worse)."""
+    failed, said = (
+        list(replica.raised),
+        [
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("scheduler.gate") and r.levelno >= logging.WARNING
+        ],
+    )
+    replica.raised.clear()
+    caplog.clear()
+    if failed:
+        assert any("failed" in line for line in said), f"{what}: {failed[0]!r} not logged: {said}"
+
+
+def test_a_failed_scheduled_claim_leaves_no_lock(replica, caplog):
     with busy_job(replica):
         for i, point in enumerate(points(replica)):
-            _scheduled_claim_failing(replica, 910 + i, point)
+            _scheduled_claim_failing(replica, 910 + i, point, caplog)
 
 
-def _scheduled_claim_failing(replica: Replica, key: int, point: str) -> None:
+def _scheduled_claim_failing(
+    replica: Replica, key: int, point: str, caplog: pytest.LogCaptureFixture
+) -> None:
     job = make_job(key, lambda ctx: None, name=f"run{key}")
     _stale_row(replica, key, job.name)
     replica.fail(point)
     replica.gate.submit(job, now_tick())
+    _said_failed(replica, caplog, "before")
     replica.gate.step()
     replica.assert_invariant(f"scheduled claim failing at {point}")
+    _said_failed(replica, caplog, f"scheduled claim failing at {point}")
     replica.fail(None)
     settled = lambda: key not in replica.gate._runs and not replica.gate.queue  # noqa: E731
     _drive(replica, settled, f"the claim of {job.name} to settle")
     replica.assert_invariant(f"after the claim failing at {point} was tried again")
 
 
-def test_a_failed_run_now_or_catch_up_claim_leaves_no_lock(replica):
+def test_a_failed_run_now_or_catch_up_claim_leaves_no_lock(replica, caplog):
     with busy_job(replica):
         for intent in (Intent.MANUAL, Intent.CATCH_UP):
             for i, point in enumerate(points(replica)):
                 key = 1000 + 100 * (intent is Intent.CATCH_UP) + i
-                _manual_claim_failing(replica, key, intent, point)
+                _manual_claim_failing(replica, key, intent, point, caplog)
 
 
-def _manual_claim_failing(replica: Replica, key: int, intent: Intent, point: str) -> None:
+def _manual_claim_failing(
+    replica: Replica, key: int, intent: Intent, point: str, caplog: pytest.LogCaptureFixture
+) -> None:
     job = make_job(key, lambda ctx: None, name=f"{intent}{key}")
     _stale_row(replica, key, job.name)
     replica.fail(point)
@@ -244,20 +282,24 @@ def _manual_claim_failing(replica: Replica, key: int, intent: Intent, point: str
         asked = threading.Thread(target=gate.trigger, args=(job, 20), daemon=True)
     asked.start()
     wait_for(lambda: gate._manual, 10, "the request to be queued")
+    _said_failed(replica, caplog, "before")
     gate.step()
     replica.assert_invariant(f"{intent} claim failing at {point}")
+    _said_failed(replica, caplog, f"{intent} claim failing at {point}")
     replica.fail(None)
     _drive(replica, lambda: not asked.is_alive(), f"the {intent} to answer")
     replica.assert_invariant(f"after the {intent} claim failing at {point}")
 
 
-def test_a_failed_retry_claim_leaves_no_lock(replica):
+def test_a_failed_retry_claim_leaves_no_lock(replica, caplog):
     with busy_job(replica):
         for i, point in enumerate(points(replica)):
-            _retry_claim_failing(replica, 1300 + i, point)
+            _retry_claim_failing(replica, 1300 + i, point, caplog)
 
 
-def _retry_claim_failing(replica: Replica, key: int, point: str) -> None:
+def _retry_claim_failing(
+    replica: Replica, key: int, point: str, caplog: pytest.LogCaptureFixture
+) -> None:
     attempts: list[int] = []
 
     def flaky(ctx) -> None:
@@ -275,8 +317,10 @@ def _retry_claim_failing(replica: Replica, key: int, point: str) -> None:
     _retry_due_now(replica, key)
     replica.fail(point)
     gate.retries.due_in(0)
+    _said_failed(replica, caplog, "before")
     gate.step()
     replica.assert_invariant(f"retry claim failing at {point}")
+    _said_failed(replica, caplog, f"retry claim failing at {point}")
     replica.fail(None)
 
     def taken() -> bool:
