@@ -197,8 +197,10 @@ class Fleet:
         return "\n".join(f"--- {r.name} ---\n{r.log()[-6000:]}" for r in self.replicas.values())
 
     def evidence(self) -> list[dict[str, Any]]:
-        lines = self.evidence_path.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        """Every whole line the jobs wrote (a line being written as we read is left out)."""
+        text = self.evidence_path.read_text()
+        whole = text[: text.rfind("\n") + 1]
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
     def starts(self, instance: str | None = None) -> list[dict[str, Any]]:
         """Runs that started (on `instance`), from the jobs' own evidence."""

@@ -105,6 +105,7 @@ class FileLocks:
         self._note = ""  # what the presence file says happened (status shows it)
         self._since = 0.0  # when the session began (wall clock, for `status`)
         self._first_seen: dict[tuple[int, int, int], float] = {}
+        self._folder_remade = False  # a file was opened after the folder vanished
         _ALL.add(self)
 
     def path(self, key: int) -> Path:
@@ -390,6 +391,8 @@ class FileLocks:
                     kept.lost = sorted(self._held)
                     return kept
                 kept.remade_folder = True
+            if self._folder_remade:  # a claim found it gone and made it before we looked
+                kept.remade_folder, self._folder_remade = True, False
             for key, held in list(self._held.items()):
                 if _same(self.path(key), held.fd) is None:
                     if self._retake(key):
@@ -446,6 +449,7 @@ class FileLocks:
             return _open(path)
         except FileNotFoundError:
             self.make_folder()
+            self._folder_remade = True  # said by the next `keep`, as if it had found it gone
             return _open(path)
 
     def _age(self, found: os.stat_result) -> float:

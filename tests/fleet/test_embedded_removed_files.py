@@ -85,10 +85,10 @@ def test_lock_files_removed_under_three_replicas_never_let_a_run_overlap(tmp_pat
                 path.unlink(missing_ok=True)
 
         first = remove_under_a_run(fleet, files)
-        after_files = wait_for(lambda: mended(fleet, first), 10, "the fleet to mend the files")
+        after_files = wait_for(lambda: mended(fleet, first), 30, "the fleet to mend the files")
 
         second = remove_under_a_run(fleet, lambda: shutil.rmtree(folder, ignore_errors=True))
-        after_folder = wait_for(lambda: mended(fleet, second), 10, "the fleet to mend the folder")
+        after_folder = wait_for(lambda: mended(fleet, second), 30, "the fleet to mend the folder")
         wait_for(
             lambda: sum(start > second for start, _ in ten_second_runs(fleet)) >= 2,
             60,

@@ -72,6 +72,8 @@ def test_a_lock_folder_removed_under_running_replicas_is_made_again_by_itself(re
     assert mode(a.locks.folder) == 0o700
     said = {i["name"]: i["note"] for i in a.live_instances(None)}
     assert "took back the locks of job key(s) 77" in said["a"]
+    # b's claim found the folder gone and made it before any keeper looked: still said
+    assert "the lock folder" in said["b"] and "made it again" in said["b"], said
 
 
 def test_presence_files_removed_are_made_again(replicas):
