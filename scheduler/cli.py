@@ -372,8 +372,8 @@ def _jobs(
     for job, ticks in previews:
         print(f"{job.name} (key {job.key}): {job.describe()}, {job.timezone}")
         for tick in ticks:
-            local = job.local(tick)
-            print(f"  {local}" + ("" if local.endswith("+00:00") else f"  ({tick.isoformat()})"))
+            shown = job.local(tick)
+            print(f"  {shown}" + ("" if shown.endswith("+00:00") else f"  ({tick.isoformat()})"))
         if not ticks:
             print("  no ticks: " + ("runs only by hand" if job.schedule is None else "disabled"))
     return EXIT_OK

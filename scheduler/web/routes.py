@@ -128,7 +128,7 @@ class Page:
         refused = cross_site(request.headers)
         if refused or not self.guard.actions_on:
             why = refused or "no http_token is configured on this replica"
-            data = {"why": why, "job": None}
+            data: dict[str, object] = {"why": why, "job": None}
             return self.render.html("refused.html", request, data, status=403)
         if not self.guard.token_matches(form.get("token", "")):
             self._wrong_token(request)
