@@ -19,7 +19,7 @@ from scheduler import __version__, parsing
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.config import Config, load_config
-from scheduler.errors import ConfigError, one_line, shorten
+from scheduler.errors import ConfigError, LedgerError, SchedulerError, one_line, shorten
 from scheduler.ledger import TickFilter
 from scheduler.schedules import zone
 from scheduler.statuses import Status
@@ -211,7 +211,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         code = _dispatch(args)
         sys.stdout.flush()
-    except ConfigError as exc:
+    except SchedulerError as exc:  # ConfigError, LedgerError: 2, as SPEC says
         print(f"scheduler: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PermissionError as exc:  # another user's files (the embedded ledger, its locks)
@@ -394,7 +394,7 @@ def _ledger_backend(config: Config) -> Backend:
     try:
         backend.migrate()
     except Exception as exc:
-        raise ConfigError(f"cannot reach the ledger: {one_line(exc)}") from None
+        raise LedgerError(f"cannot reach the ledger: {one_line(exc)}") from None
     return backend
 
 
@@ -620,7 +620,7 @@ def _pause(config: Config, catalog: Catalog, name: str, reason: str | None, by: 
                 conn, job.key, job.name, by=actor, reason=why, now=datetime.now(UTC)
             )
     except Exception as exc:
-        raise ConfigError(f"cannot pause {job.name}: {one_line(exc)}") from None
+        raise LedgerError(f"cannot pause {job.name}: {one_line(exc)}") from None
     if made:
         print(f"{job.name}: {pause.describe()}")
         print("  no replica starts it until `scheduler resume`; a run going now is not stopped")
@@ -639,7 +639,7 @@ def _resume(config: Config, catalog: Catalog, name: str, by: str | None) -> int:
         with backend.ledger_engine.begin() as conn:
             ended = pauses.resume(conn, job.key, job.name, by=actor, now=datetime.now(UTC))
     except Exception as exc:
-        raise ConfigError(f"cannot resume {job.name}: {one_line(exc)}") from None
+        raise LedgerError(f"cannot resume {job.name}: {one_line(exc)}") from None
     if ended is None:
         print(f"{job.name}: not paused (unchanged)")
     else:
