@@ -75,7 +75,9 @@ class GateScheduler(BackgroundScheduler):  # type: ignore[misc]  # APScheduler s
 
     Jobs on the same grid fall due together; without this the gate would claim
     the first tick of a burst alone while APScheduler is still submitting the
-    rest, and every replica would pay a round trip per fragment.
+    rest, and every replica would pay a round trip per fragment. APScheduler has
+    no public hook around one pass over due jobs: `_process_jobs` is private,
+    hence the pinned version range (docs/architecture.md, "APScheduler").
     """
 
     def __init__(self, gate: Gate, groups: dict[str, list[CatalogJob]], **options: Any) -> None:
