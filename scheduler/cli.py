@@ -226,6 +226,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return 130
     except BrokenPipeError:
         code = _reader_gone()
+    finally:
+        _close_ledgers()
     if args.command in ("run", "trigger"):
         # Job code ran in this process and may have left threads of its own (not daemon
         # threads), which the interpreter would wait for. Every lock is released by now.
@@ -386,11 +388,23 @@ def _named(catalog: Catalog, name: str) -> CatalogJob:
     return job
 
 
+_OPENED: list[Backend] = []  # the ledgers a command opened, closed when it ends
+
+
+def _close_ledgers() -> None:
+    """Close the sessions a command opened: `main` may run in a process that goes on."""
+    while _OPENED:
+        backend = _OPENED.pop()
+        backend.close()
+        backend.ledger_engine.dispose()
+
+
 def _ledger_backend(config: Config) -> Backend:
     """The backend, for reading: the schema must exist (a replica creates it)."""
     from scheduler.backends import open_backend
 
     backend = open_backend(config.settings)
+    _OPENED.append(backend)
     try:
         backend.migrate()
     except Exception as exc:
