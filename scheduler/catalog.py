@@ -72,7 +72,8 @@ class CatalogJob:
         attempt is left."""
         if attempt > self.retries:
             return None
-        return min(self.retry_delay * 2 ** min(attempt - 1, 30), self.retry_delay_max)
+        factor: int = 2 ** min(attempt - 1, 30)
+        return min(self.retry_delay * factor, self.retry_delay_max)
 
     @property
     def catch_up_window(self) -> timedelta:

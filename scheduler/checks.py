@@ -79,7 +79,7 @@ def database_checks(url: str, instance: str, schema: str = "public") -> list[Che
     return checks
 
 
-def _server_checks(conn: psycopg.Connection, schema: str) -> list[Check]:  # type: ignore[type-arg]
+def _server_checks(conn: psycopg.Connection, schema: str) -> list[Check]:
     checks: list[Check] = []
     version = conn.info.server_version
     checks.append(
@@ -132,7 +132,7 @@ def _node_checks(url: str, instance: str) -> list[Check]:
     return lines
 
 
-def _privileges(conn: psycopg.Connection, schema: str) -> Check:  # type: ignore[type-arg]
+def _privileges(conn: psycopg.Connection, schema: str) -> Check:
     """The fleet's schema: its tables usable, or creatable (and the schema too, if missing)."""
     row = conn.execute(
         "SELECT to_regclass('scheduler_ticks') IS NOT NULL,"

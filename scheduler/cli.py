@@ -19,7 +19,7 @@ from scheduler import __version__, parsing
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.config import Config, load_config
-from scheduler.errors import ConfigError, one_line, shorten
+from scheduler.errors import ConfigError, LedgerError, SchedulerError, one_line, shorten
 from scheduler.ledger import TickFilter
 from scheduler.schedules import zone
 from scheduler.statuses import Status
@@ -211,7 +211,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         code = _dispatch(args)
         sys.stdout.flush()
-    except ConfigError as exc:
+    except SchedulerError as exc:  # ConfigError, LedgerError: 2, as SPEC says
         print(f"scheduler: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PermissionError as exc:  # another user's files (the embedded ledger, its locks)
@@ -226,6 +226,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return 130
     except BrokenPipeError:
         code = _reader_gone()
+    finally:
+        _close_ledgers()
     if args.command in ("run", "trigger"):
         # Job code ran in this process and may have left threads of its own (not daemon
         # threads), which the interpreter would wait for. Every lock is released by now.
@@ -372,8 +374,8 @@ def _jobs(
     for job, ticks in previews:
         print(f"{job.name} (key {job.key}): {job.describe()}, {job.timezone}")
         for tick in ticks:
-            local = job.local(tick)
-            print(f"  {local}" + ("" if local.endswith("+00:00") else f"  ({tick.isoformat()})"))
+            shown = job.local(tick)
+            print(f"  {shown}" + ("" if shown.endswith("+00:00") else f"  ({tick.isoformat()})"))
         if not ticks:
             print("  no ticks: " + ("runs only by hand" if job.schedule is None else "disabled"))
     return EXIT_OK
@@ -386,15 +388,27 @@ def _named(catalog: Catalog, name: str) -> CatalogJob:
     return job
 
 
+_OPENED: list[Backend] = []  # the ledgers a command opened, closed when it ends
+
+
+def _close_ledgers() -> None:
+    """Close the sessions a command opened: `main` may run in a process that goes on."""
+    while _OPENED:
+        backend = _OPENED.pop()
+        backend.close()
+        backend.ledger_engine.dispose()
+
+
 def _ledger_backend(config: Config) -> Backend:
     """The backend, for reading: the schema must exist (a replica creates it)."""
     from scheduler.backends import open_backend
 
     backend = open_backend(config.settings)
+    _OPENED.append(backend)
     try:
         backend.migrate()
     except Exception as exc:
-        raise ConfigError(f"cannot reach the ledger: {one_line(exc)}") from None
+        raise LedgerError(f"cannot reach the ledger: {one_line(exc)}") from None
     return backend
 
 
@@ -620,7 +634,7 @@ def _pause(config: Config, catalog: Catalog, name: str, reason: str | None, by: 
                 conn, job.key, job.name, by=actor, reason=why, now=datetime.now(UTC)
             )
     except Exception as exc:
-        raise ConfigError(f"cannot pause {job.name}: {one_line(exc)}") from None
+        raise LedgerError(f"cannot pause {job.name}: {one_line(exc)}") from None
     if made:
         print(f"{job.name}: {pause.describe()}")
         print("  no replica starts it until `scheduler resume`; a run going now is not stopped")
@@ -639,7 +653,7 @@ def _resume(config: Config, catalog: Catalog, name: str, by: str | None) -> int:
         with backend.ledger_engine.begin() as conn:
             ended = pauses.resume(conn, job.key, job.name, by=actor, now=datetime.now(UTC))
     except Exception as exc:
-        raise ConfigError(f"cannot resume {job.name}: {one_line(exc)}") from None
+        raise LedgerError(f"cannot resume {job.name}: {one_line(exc)}") from None
     if ended is None:
         print(f"{job.name}: not paused (unchanged)")
     else:

@@ -568,7 +568,7 @@ class _StrictLoader(yaml.SafeLoader):
         self.depth = 0
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        event = self.peek_event()
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in the yaml stubs
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             raise _Refused(
                 problem="anchors and aliases (&name, *name) are not allowed: write each value out",

@@ -32,7 +32,7 @@ class RunContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     timed_out: threading.Event = field(default_factory=threading.Event)
     attempt: int = 1  # 1 for the first; 2 and up for a retry of the same tick (job `retries`)
-    log: logging.LoggerAdapter = field(  # type: ignore[type-arg]
+    log: logging.LoggerAdapter[logging.Logger] = field(
         default_factory=lambda: logging.LoggerAdapter(logging.getLogger("scheduler.job"))
     )
 

@@ -11,7 +11,14 @@ _PASSWORD = re.compile(r"(://[^:/@\s]*):\S*@")
 _OPTION_PASSWORD = re.compile(r"((?:ssl)?password=)(?:'[^']*'|[^\s&'\"]+)", re.IGNORECASE)
 
 
-class ConfigError(Exception):
+class SchedulerError(Exception):
+    """An error the scheduler tells its user in one line, without a traceback.
+
+    The command line exits 2 on any of them (`scheduler.cli`).
+    """
+
+
+class ConfigError(SchedulerError):
     """Bad configuration, job definitions or usage.
 
     The message alone must let the user fix the problem: it names the file,
@@ -21,6 +28,11 @@ class ConfigError(Exception):
 
 class PoolerError(ConfigError):
     """The database connection does not keep one server session across statements."""
+
+
+class LedgerError(SchedulerError):
+    """The ledger (the database) failed a command's read or write: nothing to fix in the
+    configuration, and the command can be tried again. The message says what was asked."""
 
 
 def shorten(text: str, limit: int = SHOWN_MAX) -> str:

@@ -215,7 +215,7 @@ class Housekeeping:
         if self.on_streaks:
             self.on_streaks(
                 {
-                    names[key]: int(state["consecutive_skips"])  # type: ignore[call-overload]
+                    names[key]: int(state["consecutive_skips"])
                     for key, state in states.items()
                     if key in names
                 }

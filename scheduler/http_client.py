@@ -120,7 +120,7 @@ class _Secure(urllib.request.HTTPSHandler):
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         kind = http.client.HTTPSConnection
-        return self.do_open(functools.partial(self.connect, kind), req, context=self._context)
+        return self.do_open(functools.partial(self.connect, kind), req)  # the default context
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -137,10 +137,13 @@ def _connection(
     **kwargs: Any,
 ) -> http.client.HTTPConnection:
     connection = kind(host, **kwargs)
+    # CPython's hook for opening the socket, which the stubs do not declare.
     connection._create_connection = functools.partial(  # type: ignore[attr-defined]
         _connect, deadline=deadline, clock=clock
     )
-    connection.response_class = functools.partial(_Reply, deadline=deadline, clock=clock)  # type: ignore[assignment]
+    reply = functools.partial(_Reply, deadline=deadline, clock=clock)
+    # The stubs want a class; a partial that builds one is called the same way.
+    connection.response_class = reply  # type: ignore[assignment]
     return connection
 
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Float,
     Integer,
     MetaData,
+    Row,
     Sequence,
     String,
     Table,
@@ -65,9 +66,10 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        if value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value.astimezone(UTC)
+        stamp: datetime = value
+        if stamp.tzinfo is None:
+            return stamp.replace(tzinfo=UTC)
+        return stamp.astimezone(UTC)
 
 
 metadata = MetaData()
@@ -302,8 +304,8 @@ def iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
-def _row(row: object) -> TickRow:
-    m = row._mapping  # type: ignore[attr-defined]
+def _row(row: Row[Any]) -> TickRow:
+    m = row._mapping
     started, finished = m["started_at"], m["finished_at"]
     duration = m["duration_s"]  # the run's own, as measured where it ran
     if duration is None and started and finished:
@@ -362,10 +364,12 @@ def _with_attempts(conn: Connection, rows: list[TickRow]) -> list[TickRow]:
 def upsert(conn: Connection, table: Table) -> Any:
     """The dialect's INSERT, which knows ON CONFLICT (imported only for the dialect in use)."""
     if conn.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert(table)
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.insert(table)
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.insert(table)
 
 
 @dataclass(frozen=True)
@@ -427,7 +431,7 @@ def running(conn: Connection) -> list[TickRow]:
     return [_row(r) for r in conn.execute(query)]
 
 
-def job_states(conn: Connection) -> dict[int, dict[str, object]]:
+def job_states(conn: Connection) -> dict[int, dict[str, Any]]:
     return {r.job_key: dict(r._mapping) for r in conn.execute(select(jobs))}
 
 
@@ -571,7 +575,8 @@ def missed_watermark(conn: Connection) -> datetime:
     """How far the sweep has recorded missed ticks; the row stays locked until the commit,
     which also moves it (`set_missed_watermark`): a sweep cut short moves nothing."""
     query = select(maintenance.c.last_run_at).where(maintenance.c.task == "missed")
-    return conn.execute(query.with_for_update()).scalar_one()  # type: ignore[no-any-return]
+    found: datetime = conn.execute(query.with_for_update()).scalar_one()
+    return found
 
 
 def set_missed_watermark(conn: Connection, until: datetime) -> None:
@@ -803,8 +808,8 @@ def register(
     heirs: dict[tuple[int, str | None], datetime] = {}
     for r in found:
         if r.instance != instance and r.instance not in live and r.until is None:
-            key = (r.key, r.schedule)
-            heirs[key] = min(r.since, heirs.get(key, r.since))
+            pair = (r.key, r.schedule)
+            heirs[pair] = min(r.since, heirs.get(pair, r.since))
     wanted = {(key, schedule) for key, _, schedule in entries}
     inherited: dict[str | None, list[int]] = {}
     for key, schedule in heirs:

@@ -155,7 +155,7 @@ def setup_logging(fmt: str, level: int = logging.INFO, stream: TextIO | None = N
     # Two lines per run add up at hundreds of runs a second. Neither format shows
     # the caller's file and line, thread or process, so the logging module need
     # not look them up for every record (the optimizations its HOWTO lists).
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

@@ -130,6 +130,7 @@ class Courier:
                 if self._closed:
                     self._threads -= 1
                     return
+            assert found is not None  # the loop above left only when closed or found
             where, letter = found
             try:
                 reason = post(letter.url, letter.body, self.deadline_s, letter.content_type)

@@ -97,7 +97,7 @@ def zone(name: str) -> tzinfo:
         ) from None
 
 
-class Schedule(BaseTrigger):  # type: ignore[misc]
+class Schedule(BaseTrigger):  # type: ignore[misc]  # APScheduler ships no types
     """An APScheduler trigger whose ticks can also be listed, in UTC and in order."""
 
     __slots__ = ()

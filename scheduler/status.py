@@ -72,8 +72,8 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
         registered = ledger.registrations_of(conn)
         variants = agreement.live_schedules(registered, live)
         latest = ledger.latest_of(conn, [job.key for job in catalog], FINISHED)
-        gone = sorted({r.instance for r in running.values() if r.instance not in live})
-        seen = ledger.seen_at(conn, [name for name in gone if name])
+        gone = sorted({r.instance for r in running.values() if r.instance} - live)
+        seen = ledger.seen_at(conn, gone)
         by_job: dict[int, list[ledger.Registration]] = {}
         for r in registered:
             by_job.setdefault(r.key, []).append(r)

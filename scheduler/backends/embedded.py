@@ -197,7 +197,7 @@ class EmbeddedBackend:
         self.file.create()
         with self.engine.connect() as conn:  # a look first, which waits for no writer
             conn.execution_options(**{READ_ONLY: True})
-            found = 0
+            found: int | None = 0
             if conn.dialect.has_table(conn, ledger.schema_version.name):
                 found = conn.execute(select(func.max(ledger.schema_version.c.version))).scalar()
         if (found or 0) >= CURRENT_VERSION:
@@ -267,7 +267,8 @@ class EmbeddedBackend:
         assert self._conn is not None, "not connected"
         self._intact()
         driver = self._conn.connection.driver_connection
-        found = driver.execute(query).fetchall()  # type: ignore[union-attr]
+        assert driver is not None, "not connected"
+        found = driver.execute(query).fetchall()
         return found[0][0] if found else None
 
     def claim_retries(

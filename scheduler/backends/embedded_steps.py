@@ -8,7 +8,7 @@ PostgreSQL; read them side by side. The protocol is told in `scheduler.gate`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -168,7 +168,7 @@ class Steps:
         }
         return {key: crashes for key, crashes in found.items() if crashes.count}
 
-    def count_crashes(self, crashes: dict[int, Crashes]) -> dict[int, int]:
+    def count_crashes(self, crashes: Mapping[int, Crashes]) -> dict[int, int]:
         """Crashed runs count as failures (scheduler_count_crashes): key -> its alert, if any.
 
         The failure streak grows by the runs crashed, and alerts once when it first
@@ -270,7 +270,7 @@ class Steps:
     ) -> list[tuple[FinishRequest, bool, bool, datetime | None]]:
         """(request, recorded now, recorded by an earlier call, finished_at), in order."""
         t = ledger.ticks
-        out = []
+        out: list[tuple[FinishRequest, bool, bool, datetime | None]] = []
         for r in sorted(requests, key=lambda r: (r.scheduled_at, r.key)):
             row = (t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at, t.c.run_id == r.run_id)
             done = self.conn.execute(

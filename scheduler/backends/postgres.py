@@ -97,7 +97,7 @@ def named(result: Any, columns: tuple[str, ...]) -> list[Any]:
     """A function's rows (they unpack like tuples), once its columns are the ones unpacked here."""
     if tuple(result.keys()) != columns:
         raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {columns}")
-    return result.all()
+    return list(result.all())
 
 
 def share_of(key: int, live: int) -> int:
@@ -377,7 +377,8 @@ class PostgresBackend:
         if live <= 1 or len(requests) < SHARE_FROM:
             return list(requests), []
         young = datetime.now(UTC) - timedelta(seconds=TAKEOVER_S)
-        sent, yielded = [], []
+        sent: list[ClaimRequest] = []
+        yielded: list[ClaimRequest] = []
         for r in requests:
             theirs = (
                 r.intent is Intent.RUN and share_of(r.key, live) != rank and r.scheduled_at > young

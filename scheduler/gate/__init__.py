@@ -25,6 +25,7 @@ implement the steps under the names used here (PostgreSQL:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -376,7 +377,7 @@ class Gate:
         fd = self.backend.fileno()
         return fd is not None and bool(select.select([fd], [], [], 0)[0])
 
-    def _guard(self, action: Callable[[], None]) -> None:
+    def _guard(self, action: Callable[[], object]) -> None:
         """A failed session loses every lock; any other backend error is handled by `action`."""
         if not self.session.connected:
             return
@@ -415,7 +416,7 @@ class Gate:
         for request in taken:
             job = desk.job(request.key)
             result: Future[ManualResult] = Future()
-            result.add_done_callback(lambda done, r=request: _settle(desk, r, done.result()))
+            result.add_done_callback(functools.partial(_settle, desk, request))
             if job is None:  # reloaded away between the take and now
                 result.set_result(ManualResult(Outcome.LOST, error="no such job here any more"))
                 continue
@@ -611,7 +612,8 @@ class RequestDesk(Protocol):
     ) -> None: ...
 
 
-def _settle(desk: RequestDesk, request: RunRequest, result: ManualResult) -> None:
+def _settle(desk: RequestDesk, request: RunRequest, done: Future[ManualResult]) -> None:
+    result = done.result()
     held = f"held by {result.holder}" if result.holder else None
     status = None if result.status is None else str(result.status)
     desk.settle(request, str(result.outcome), status, result.run_id, result.error or held)

@@ -30,7 +30,7 @@ from scheduler import ledger, pauses, run_now
 from scheduler.backends import Backend
 from scheduler.catalog import Catalog, CatalogJob
 from scheduler.config import Settings
-from scheduler.errors import ConfigError, one_line
+from scheduler.errors import LedgerError, SchedulerError, one_line
 from scheduler.http_server import Reply, Request, Route
 from scheduler.parsing import Refused, local_path
 from scheduler.text import printable
@@ -128,7 +128,7 @@ class Page:
         refused = cross_site(request.headers)
         if refused or not self.guard.actions_on:
             why = refused or "no http_token is configured on this replica"
-            data = {"why": why, "job": None}
+            data: dict[str, object] = {"why": why, "job": None}
             return self.render.html("refused.html", request, data, status=403)
         if not self.guard.token_matches(form.get("token", "")):
             self._wrong_token(request)
@@ -157,7 +157,7 @@ class Page:
             return self.render.html("refused.html", request, data, status=403)
         try:
             target = self._do(action, found, form)
-        except ConfigError as exc:
+        except SchedulerError as exc:  # bad input, no taker, a ledger that failed
             data = {"why": str(exc), "job": name}
             return self.render.html("refused.html", request, data, status=400)
         return redirect(target)
@@ -181,7 +181,7 @@ class Page:
                     ended = pauses.resume(conn, job.key, job.name, by=actor, now=now)
                     return f"{base}?done={'resumed' if ended else 'not-paused'}"
                 if not self._taker_for(conn, job):
-                    raise ConfigError(
+                    raise SchedulerError(
                         f"{job.name}: not run: no live replica runs it"
                         " (does their config.yaml have the job?)"
                     )
@@ -190,11 +190,11 @@ class Page:
                 request = run_now.ask(
                     conn, job.key, job.name, by=actor, now=asked_at, namespace=namespace
                 )
-        except ConfigError:
+        except SchedulerError:
             raise
         except Exception as exc:
             log.warning("page: %s %s failed: %s", action, job.name, one_line(exc))
-            raise ConfigError(f"cannot {action} {job.name}: the ledger did not answer") from None
+            raise LedgerError(f"cannot {action} {job.name}: the ledger did not answer") from None
         self._withdraw_later(request)
         return f"{base}?done=run&asked={request}"
 

@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Float, Integer, Select, cast, func, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Float,
+    Integer,
+    Select,
+    cast,
+    func,
+    or_,
+    select,
+)
 
 from scheduler import ledger
 from scheduler.statuses import Status
@@ -98,9 +108,9 @@ def read_lanes(conn: Connection, window: Window, live: list[str]) -> list[Lane]:
     for lane in sparse:
         lane.buckets = None
     for run in _running(conn, window):  # runs that began before the window and still go
-        lane = lanes.get(lane_of(run.instance, run.status))
-        if lane is not None and lane.buckets is None:
-            lane.ticks.append(run)
+        home = lanes.get(lane_of(run.instance, run.status))
+        if home is not None and home.buckets is None:
+            home.ticks.append(run)
     order = {"replica": 0, "gone": 1, "not-run": 2}
     return sorted(lanes.values(), key=lambda lane: order[lane.kind])
 
@@ -123,7 +133,7 @@ def _epoch(conn: Connection) -> object:
     return (func.julianday(column) - 2440587.5) * 86400.0
 
 
-def _in_window(window: Window) -> list[object]:
+def _in_window(window: Window) -> list[ColumnElement[bool]]:
     column = ledger.ticks.c.scheduled_at
     return [column >= window.start, column <= window.end]
 

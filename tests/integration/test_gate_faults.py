@@ -229,3 +229,4 @@ def test_starting_a_replica_does_not_lock_the_job_rows_it_finds_unchanged(databa
         # With lock_timeout set, a start-up that waited for the row would raise here.
         ledger.track_jobs(backend.ledger_engine, entries, datetime.now(UTC))
         claim.rollback()
+    backend.ledger_engine.dispose()

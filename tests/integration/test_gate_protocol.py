@@ -278,6 +278,8 @@ def test_replicas_starting_together_create_the_schema_once(database_url):
         t.start()
     for t in threads:
         t.join(30)
+    for backend in backends:
+        backend.ledger_engine.dispose()
     assert not errors
     assert sorted(found) == [0] + [CURRENT_VERSION] * (len(backends) - 1)
 

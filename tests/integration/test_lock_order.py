@@ -170,5 +170,6 @@ def test_claims_finishes_and_sweeps_running_together_never_deadlock(database_url
         thread.join(60)
     for replica in replicas:
         replica.close()
+        replica.ledger_engine.dispose()
     assert not errors, errors[:3]
     assert deadlocks(database_url) == before

@@ -154,4 +154,4 @@ def test_a_second_replica_of_the_same_name_is_refused_at_once(tmp_path):
         assert "'r1' is in use by a live replica" in second.stderr, second.stderr
     finally:
         first.send_signal(signal.SIGTERM)
-        first.wait(30)
+        first.communicate(timeout=30)  # waits, and closes the pipe

@@ -86,7 +86,7 @@ def held_open(database):
         yield holder
     finally:
         holder.kill()
-        holder.wait(10)
+        holder.communicate(timeout=10)  # waits, and closes the pipes
 
 
 @pytest.mark.parametrize("name", ["scheduler.db", "scheduler.db-wal", "scheduler.db-shm"])
@@ -178,7 +178,7 @@ def test_a_writer_frozen_in_a_ledger_transaction_is_named_by_the_others(tmp_path
     finally:
         writer.send_signal(signal.SIGCONT)
         writer.kill()
-        writer.wait(10)
+        writer.communicate(timeout=10)  # waits, and closes the pipe
     assert claim(a, tick()).outcome is Outcome.RUN  # the fleet goes on once it has ended
 
 
@@ -246,7 +246,7 @@ def test_a_new_ledger_waits_while_a_process_still_has_the_removed_one_open(tmp_p
         assert not database.exists()
     finally:
         holder.kill()
-        holder.wait(10)
+        holder.communicate(timeout=10)  # waits, and closes the pipes
 
 
 # -- 8. the smaller ones --------------------------------------------------------------------

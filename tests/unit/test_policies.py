@@ -3,6 +3,7 @@ the embedded backend (docs/run-policies.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from dataclasses import replace
@@ -164,25 +165,30 @@ def test_the_gate_retries_a_failed_tick_with_the_attempt_in_its_context(tmp_path
     from scheduler.backends.embedded import EmbeddedBackend
 
     seen_attempts: list[int] = []
+    wall = [datetime.now(UTC)]  # the ledger's and the gate's clock, moved by the test
+    started: list[datetime] = []
 
     def flaky(ctx):
         seen_attempts.append(ctx.attempt)
+        started.append(wall[0])
         if ctx.attempt < 3:
             raise RuntimeError(f"attempt {ctx.attempt}")
 
     policy = {"retries": 2, "retry_delay": timedelta(seconds=1)}
     work = replace(make_job(31, flaky), **policy)
-    backend = EmbeddedBackend(tmp_path / "s.db", instance="u1", namespace=77)
-    backend.migrate()
     seen, clock = Recorder(), FakeMonotonic()
+    backend = EmbeddedBackend(tmp_path / "s.db", instance="u1", namespace=77,
+                              clock=lambda: wall[0], monotonic=clock)  # fmt: skip
+    backend.migrate()
     gate = Gate(backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen],
-                monotonic=clock, desk=JobsHere(work))  # fmt: skip
+                clock=lambda: wall[0], monotonic=clock, desk=JobsHere(work))  # fmt: skip
     try:
         gate.submit(work, now_tick(-1))
 
         def stepped_to(n: int) -> bool:
-            clock.now += 0.5  # the fake monotonic clock follows the real one, roughly
-            threading.Event().wait(0.2)
+            if not gate.running_jobs():  # time passes between runs: the retry delays
+                clock.now += 0.5
+                wall[0] += timedelta(seconds=0.5)
             gate.step()
             return len(seen.of(events.RunFinished)) >= n
 
@@ -192,6 +198,8 @@ def test_the_gate_retries_a_failed_tick_with_the_attempt_in_its_context(tmp_path
         assert [f.status for f in finished] == [Status.FAILED, Status.FAILED, Status.SUCCEEDED]
         assert [f.attempt for f in finished] == [1, 2, 3]
         assert [f.retry_in_s for f in finished] == [1.0, 2.0, None]
+        waited = [(b - a).total_seconds() for a, b in itertools.pairwise(started)]
+        assert waited[0] >= 1.0 and waited[1] >= 2.0  # each retry after its delay, not before
         assert seen_attempts == [1, 2, 3]
         assert [s.attempt for s in seen.of(events.RunStarted)] == [1, 2, 3]
         assert len({s.run_id for s in seen.of(events.RunStarted)}) == 3
