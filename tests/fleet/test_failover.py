@@ -124,6 +124,7 @@ def fail_over_under_a_fleet(tmp_path, pair: Pair, hold_wal_s: float = 0) -> Fail
         # The primary dies right after a claim: the worst moment for the last commits.
         seen = len(_runs(fleet, "every_second"))
         wait_for(lambda: len(_runs(fleet, "every_second")) > seen, 10, "a fresh claim", 0.005)
+        long_run = _in_flight(fleet, "long_run")  # the first may have ended on a slow machine
         failed_at = time.time()
         pair.fail_over(detection_s=SWITCH_S)
         promoted_at = time.time()
@@ -157,6 +158,14 @@ def fail_over_under_a_fleet(tmp_path, pair: Pair, hold_wal_s: float = 0) -> Fail
 
 def _runs(fleet: Fleet, job: str) -> list[dict[str, Any]]:
     return [e for e in fleet.starts() if e["job"] == job]
+
+
+def _in_flight(fleet: Fleet, job: str) -> dict[str, Any]:
+    """The newest run of `job` that has not ended (the 6 s job runs back to back)."""
+    runs = wait_for(
+        lambda: [s for s in _runs(fleet, job) if _end_of(fleet, s) is None], 15, f"a {job} run"
+    )
+    return max(runs, key=lambda s: s["at"])
 
 
 def _end_of(fleet: Fleet, start: dict[str, Any]) -> dict[str, Any] | None:

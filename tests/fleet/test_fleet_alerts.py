@@ -65,7 +65,7 @@ def test_skips_are_recorded_once_and_alert_once_for_the_fleet(tmp_path, database
     assert parse_tick(alert["scheduled_at"]) in {parse_tick(r["scheduled_at"]) for r in skipped}
     recovered = receiver.bodies("job.recovered")
     assert len(recovered) == 1
-    assert recovered[0]["consecutive_skips"] == len(skipped)
+    assert recovered[0]["consecutive_skips"] == len(skipped), (recovered, rows)
     # The ERROR log line names job, key, count and holder, on exactly one replica.
     alert_lines = [line for line in fleet.logs().splitlines() if "ALERT job.skips_exceeded" in line]
     assert len(alert_lines) == 1 and "sometimes_slow" in alert_lines[0]
@@ -117,6 +117,7 @@ def test_a_webhook_that_is_down_does_not_block_scheduling_and_delivers_later(
 
 def test_status_names_the_replica_running_a_job(tmp_path, database_url):
     fleet = Fleet(tmp_path, database_url, {"sometimes_slow": {"interval": "1s"}}, job_files=JOBS)
+    (fleet.evidence_path.parent / "slow-run-seconds").write_text("30")  # still on when read
     fleet.start("r1")
     fleet.start("r2")
     try:

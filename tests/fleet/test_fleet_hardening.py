@@ -90,8 +90,15 @@ def test_a_statement_waiting_on_a_row_lock_is_not_a_lost_session(tmp_path, datab
             time.sleep(8)
             held_until = time.time()
             blocker.rollback()
-        time.sleep(6)  # the delayed ticks are recorded now
-        rows = fleet.ledger("slow")
+
+        def all_recorded() -> list[dict] | None:  # the delayed ticks are recorded now
+            rows = fleet.ledger("slow")
+            seen = {r["scheduled_at"] for r in rows}
+            due = whole_seconds(parse_tick(start["tick"]), seconds_to_utc(held_until + 3))
+            return rows if all(t in seen for t in due) else None
+
+        time.sleep(6)
+        rows = wait_for(all_recorded, 30, "every tick until 3 s after the release to be recorded")
         with psycopg.connect(database_url) as conn:
             (streak,) = conn.execute(
                 "SELECT consecutive_skips FROM scheduler_jobs WHERE job_key = 62"
