@@ -18,8 +18,8 @@ from tests.simulation.sites import EmbeddedSite, PgSite
 from tests.simulation.steps import Step, draw
 from tests.simulation.world import REPLICAS, World
 
-DEFAULT_SEEDS = 6
-DEFAULT_STEPS = 300
+DEFAULT_SEEDS = 4
+DEFAULT_STEPS = 250
 FIRST_SEED = 1
 
 
