@@ -75,11 +75,13 @@ def run_id_grows(world: World, run: SimRun) -> None:
 
 
 def paused_starts_no_scheduled_tick(world: World, run: SimRun) -> None:
-    """Pause (guarantee 9): a job paused for the fleet starts none of its scheduled ticks."""
-    if run.scheduled and run.key in world.paused:
+    """Pause (guarantee 9): a job paused for the fleet starts none of its ticks, retries or
+    caught-up ticks; only a run a person asks for (`scheduler trigger`) runs paused or not."""
+    if run.key in world.paused and not run.run.asked:
         raise Violation(
             "paused_starts_no_scheduled_tick",
-            f"job {run.key} tick {run.scheduled_at} started on {run.replica.name} while paused",
+            f"job {run.key} tick {run.scheduled_at} attempt {run.attempt} started on "
+            f"{run.replica.name} while paused",
         )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from scheduler import ledger, pauses
 from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
@@ -195,16 +195,14 @@ class World:
 
     def _observe(self, name: str, args: tuple[Any, ...], result: Any) -> None:
         """What a call committed: the skip streaks its claims make (a skip grows the job's,
-        a run of any kind ends it)."""
+        a run ends it; a skip behind a run asked for by hand counts in none)."""
         if name in ("claim", "claim_retries", "finish", "release_strays"):
             self.say(f"{name} -> {_brief(result)}")
         if name == "claim":
             requests: list[ClaimRequest] = args[0]
             self._streaks(requests, result)
-        elif name == "claim_retries":
-            assert isinstance(result, Retries)
-            for started in result.started:
-                self.streaks[started.key] = 0
+        # A retry is a failed tick's next attempt: it changes no streak (see Retries in
+        # docs/run-policies.md), whether it starts or ends.
 
     def _streaks(self, requests: list[ClaimRequest], results: list[ClaimResult]) -> None:
         asked = {(r.key, r.scheduled_at): r for r in requests}
@@ -215,7 +213,7 @@ class World:
             request = asked[(result.key, result.scheduled_at)]
             if result.outcome is not Outcome.SKIPPED or request.intent in BY_HAND:
                 continue
-            if result.key in ran:
+            if result.key in ran or self._behind_by_hand(result.key):
                 continue
             self.streaks[result.key] = self.streaks.get(result.key, 0) + 1
             thresholds = [
@@ -224,6 +222,19 @@ class World:
                 if r.key == result.key and r.intent not in BY_HAND
             ]
             self.thresholds[result.key] = min(thresholds)
+
+    def _behind_by_hand(self, key: int) -> bool:
+        """A skip behind a run a person asked for counts in no streak (the newest running
+        row of the job is the run that held the lock)."""
+        t = ledger.ticks
+        query = (
+            select(t.c.manual)
+            .where(t.c.job_key == key, t.c.status == "running")
+            .order_by(t.c.scheduled_at.desc())
+            .limit(1)
+        )
+        with self.site.engine.connect() as conn:
+            return bool(conn.execute(query).scalar())
 
     def _kill(self, replica: Replica) -> bool:
         """The replica's lock session ends under it: its locks go, its runs go on.
