@@ -15,9 +15,10 @@ from scheduler.config import JobConfig
 from scheduler.registry import JobSpec
 
 YEAR = timedelta(days=365)
-# One minute before each change: 02:59 CEST -> 02:00 CET, and 01:59 CET -> 03:00 CEST.
-AUTUMN = datetime(2026, 10, 25, 0, 58, 30, tzinfo=UTC)
-SPRING = datetime(2026, 3, 29, 0, 58, 30, tzinfo=UTC)
+# Autumn: 20 s into the repeated hour (02:00:20 CET, after 02:59 CEST), where every
+# replica's walk starts. Spring: 30 s before 01:59:59 CET is followed by 03:00 CEST.
+AUTUMN = datetime(2026, 10, 25, 1, 0, 20, tzinfo=UTC)
+SPRING = datetime(2026, 3, 29, 0, 59, 30, tzinfo=UTC)
 
 FAST, SLOW, BERLIN, NIGHT = 7001, 7002, 7003, 7004
 KEYS = (FAST, SLOW, BERLIN, NIGHT)

@@ -94,6 +94,24 @@ ON_START = (
 )
 
 
+# -- when a replica's scheduler fires ---------------------------------------------------
+
+
+def same_instants(world: World, job_key: int, fired: list, expected: list, who: str) -> None:
+    """Time zones (guarantee 8): every replica computes the same UTC instants, wherever its
+    walk starts (a restart inside the repeated autumn hour, a clock that jumped): what it
+    fires between two instants is what one walk from before the DST change lists there."""
+    if fired != expected:
+        extra = sorted(set(fired) - set(expected))
+        missing = sorted(set(expected) - set(fired))
+        raise Violation(
+            "same_instants",
+            f"job {job_key} on {who}: fired {len(fired)} tick(s), one walk lists "
+            f"{len(expected)}; extra {[f'{t:%H:%M:%S}' for t in extra[:5]]}, missing "
+            f"{[f'{t:%H:%M:%S}' for t in missing[:5]]}",
+        )
+
+
 # -- after every step ------------------------------------------------------------------
 
 

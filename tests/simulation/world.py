@@ -23,7 +23,7 @@ from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, 
 from scheduler.catalog import CatalogJob
 from scheduler.gate import Gate
 from scheduler.gate.runs import Run
-from scheduler.schedules import next_ticks, ticks_between
+from scheduler.schedules import _ticks, next_ticks, ticks_between
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules
 from tests.simulation.faults import Faulty
@@ -138,6 +138,10 @@ class World:
     step_errors: int = 0  # errors a step let through (the real loop logs them, goes on)
     restarts: int = 0
     log: list[str] = field(default_factory=list)  # what happened, for a failure's report
+    reference: Reference = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reference = Reference(self.start - timedelta(hours=2))
 
     def say(self, text: str) -> None:
         self.log.append(f"t={self.t:.1f} {text}")
@@ -281,6 +285,7 @@ class World:
             self.fire(replica)
 
     def fire(self, replica: Replica) -> None:
+        """APScheduler's part: each tick in (last fired, the replica's now] goes to the gate."""
         until = self.now() + replica.skew
         if until <= replica.fired:
             return
@@ -288,9 +293,12 @@ class World:
             for job in replica.catalog.values():
                 if not job.scheduled:
                     continue
-                for tick in next_ticks(job.trigger, replica.fired, 50):
-                    if tick > until:
-                        break
+                assert job.trigger is not None
+                ticks = [t for t in next_ticks(job.trigger, replica.fired, 200) if t <= until]
+                self.checked += 1
+                expected = self.reference.between(job, replica.fired, until)
+                rules.same_instants(self, job.key, ticks, expected, replica.name)
+                for tick in ticks:
                     replica.gate.submit(job, tick)
         replica.fired = until
 
@@ -487,3 +495,21 @@ def _brief(result: Any) -> str:
             for r in result
         )
     return str(result)
+
+
+class Reference:
+    """Each schedule's ticks from one walk, begun two hours before the world starts (so
+    before the DST change), and extended as the world's time goes on."""
+
+    def __init__(self, since: datetime) -> None:
+        self.since = since
+        self.walks: dict[object, tuple[Any, list[datetime]]] = {}
+
+    def between(self, job: CatalogJob, after: datetime, until: datetime) -> list[datetime]:
+        walk, seen = self.walks.setdefault(job.schedule_key, (_ticks(job.trigger, self.since), []))
+        while not seen or seen[-1] < until:
+            tick = next(walk, None)
+            if tick is None:
+                break
+            seen.append(tick)
+        return [t for t in seen if after < t <= until]
