@@ -90,7 +90,8 @@ class Faulty:
         self._kill = kill  # end this replica's session as the server would (False: cannot)
         self._fired = fired  # count a fault that met a call
         self._observe = observe  # what a call committed: (name, args, result)
-        self.armed: tuple[str, int] | None = None  # (fault, point)
+        # (fault, point, the call it waits for: None for whichever comes first)
+        self.armed: tuple[str, int, str | None] | None = None
         self.pid: int | None = None  # PostgreSQL: the lock session's backend
 
     def __getattr__(self, name: str) -> Any:
@@ -122,10 +123,11 @@ class Faulty:
 
     def _call(self, name: str, args: tuple[Any, ...]) -> Any:
         method = getattr(self._real, name)
-        armed, self.armed = self.armed, None
-        if armed is None:
+        armed = self.armed
+        if armed is None or armed[2] not in (None, name):
             return self._observed(name, args, method(*args))
-        fault, point = armed
+        self.armed = None
+        fault, point, _ = armed
         self._say(f"{self._real.instance} {name} meets {fault} ({point})")
         if fault in ("killed_session", "lost"):
             if fault == "killed_session":

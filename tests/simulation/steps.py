@@ -66,7 +66,7 @@ WEIGHTS = (
     ("reload", 2),
     ("pause_resume", 2),
     ("run_now", 3),
-    ("retry_due", 2),
+    ("retry_due", 3),
     ("catch_up", 2),
     ("database_restart", 1),
 )

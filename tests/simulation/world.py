@@ -26,7 +26,7 @@ from scheduler.gate.runs import Run
 from scheduler.schedules import _ticks, next_ticks, ticks_between
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules
-from tests.simulation.faults import Faulty
+from tests.simulation.faults import CALLS, Faulty
 from tests.simulation.rules import Violation
 from tests.simulation.sites import HOLDER_TIMEOUT
 from tests.simulation.steps import CALL_FAULTS, Step
@@ -328,7 +328,7 @@ class World:
             return  # it ignores what it was told, and goes on
         gate, run = sim.replica.gate, sim.run
         told = sim.told() or run.ctx.stopping.is_set()
-        if choice in (5, 6):
+        if choice in (5, 6) or (choice == 4 and run.job.retries):  # jobs with retries fail more
             status, error = Status.FAILED, "the job failed"
         elif choice == 7 and run.job.timeout is not None:
             run.ctx.timed_out.set()
@@ -343,7 +343,9 @@ class World:
     def _fault_call(self, step: Step) -> None:
         replica = self._replica(step.a)
         if replica.proxy.armed is None:
-            replica.proxy.armed = (CALL_FAULTS[step.b % len(CALL_FAULTS)], step.c)
+            targets = (None, None, *CALLS)  # whichever call comes first, or one kind of call
+            target = targets[(step.c >> 8) % len(targets)]
+            replica.proxy.armed = (CALL_FAULTS[step.b % len(CALL_FAULTS)], step.c, target)
 
     def _freeze(self, step: Step) -> None:
         replica = self._replica(step.a)
@@ -438,6 +440,11 @@ class World:
         for replica in self.replicas:
             replica.gate.retries.due_in(0)
         self.faults.update(["retry_due"])
+        if step.b % 2:  # and a fault waits for one replica's look for them
+            replica = self._replica(step.c)
+            if replica.proxy.armed is None:
+                fault = CALL_FAULTS[(step.b >> 1) % len(CALL_FAULTS)]
+                replica.proxy.armed = (fault, step.c >> 4, "claim_retries")
 
     def _catch_up(self, step: Step) -> None:
         """A catch-up pass: one tick of `slow` from before the fleet came up, lock first."""
@@ -461,7 +468,7 @@ class World:
                 sim.lock_gone = True
         else:
             for replica in self.replicas:
-                replica.proxy.armed = ("lost", 0)
+                replica.proxy.armed = ("lost", 0, None)
         self.faults.update(["database_restart"])
 
     # -- the end ---------------------------------------------------------------------
