@@ -139,8 +139,15 @@ class Faulty:
         if fault == "error_before":
             self._fired(fault)
             raise injected("error before the statement")
+        # A fault waiting for one kind of call meets the first that changes something:
+        # a reply lost after a commit that wrote nothing, a statement that never ran, are
+        # no fault at all.
+        waits = armed[2] is not None
         if fault == "reply_lost":
-            self._observed(name, args, method(*args))
+            result = self._observed(name, args, method(*args))
+            if waits and _empty(result):
+                self.armed = armed
+                return result
             self._fired(fault)
             raise injected("reply lost after the commit")
         try:
@@ -151,6 +158,8 @@ class Faulty:
         except Exception:
             self._fired(fault)
             raise
+        if waits:
+            self.armed = armed
         return self._observed(name, args, result)
 
     def _observed(self, name: str, args: tuple[Any, ...], result: Any) -> Any:
@@ -178,6 +187,11 @@ class Faulty:
             with contextlib.suppress(Exception):
                 if self._real._conn is conn:
                     conn.exec_driver_sql("SELECT set_config('sim.fail_on', '', false)")
+
+
+def _empty(result: Any) -> bool:
+    started = getattr(result, "started", result)  # Retries: what the look started
+    return isinstance(started, list) and not started
 
 
 @contextlib.contextmanager
