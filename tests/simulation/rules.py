@@ -85,7 +85,21 @@ def paused_starts_no_scheduled_tick(world: World, run: SimRun) -> None:
         )
 
 
+def caught_up_tick_was_due(world: World, run: SimRun) -> None:
+    """The ledger explains every tick (guarantee 9): a tick caught up was due, that is, a
+    schedule in force at that instant contained it (no row for a tick no schedule had)."""
+    if not run.run.caught_up:
+        return
+    if not any(held.contains(run.scheduled_at) for held in world.history[run.key]):
+        raise Violation(
+            "caught_up_tick_was_due",
+            f"job {run.key}: caught-up tick {run.scheduled_at:%H:%M:%S} run on "
+            f"{run.replica.name}, but no schedule in force then had it",
+        )
+
+
 ON_START = (
+    caught_up_tick_was_due,
     no_tick_started_twice,
     no_overlap_unless_told,
     started_untold,

@@ -9,6 +9,7 @@ thread would call it. The world's time is the monotonic clock of every gate.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,12 +19,13 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from scheduler import ledger, pauses
+from scheduler import catch_up, ledger, pauses
 from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
 from scheduler.catalog import CatalogJob
 from scheduler.gate import Gate
 from scheduler.gate.runs import Run
-from scheduler.schedules import _ticks, next_ticks, ticks_between
+from scheduler.catalog import schedule_text
+from scheduler.schedules import _ticks, next_ticks, tick_after
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules
 from tests.simulation.faults import CALLS, Faulty
@@ -116,6 +118,7 @@ class Replica:
     frozen_since: float | None = None
     frozen_until: float = 0.0
     killed_while_frozen: bool = False
+    in_force: list[InForce] = field(default_factory=list)  # its registrations
 
     def frozen(self, now: float) -> bool:
         return self.frozen_since is not None and now < self.frozen_until
@@ -140,8 +143,28 @@ class World:
     log: list[str] = field(default_factory=list)  # what happened, for a failure's report
     reference: Reference = field(init=False)
 
+    # What each job's replicas registered, as the world saw it (the rule's own record),
+    # and as the ledger's registrations (what catch-up plans from).
+    history: dict[int, list[InForce]] = field(default_factory=dict)
+    registered: list[ledger.Registration] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         self.reference = Reference(self.start - timedelta(hours=2))
+        began, ended = self.start - jobs.DOWN_FOR - jobs.RAN_FOR, self.start - jobs.DOWN_FOR
+        self._register("gone", jobs.catalog(1), began, ended)
+
+    def _register(
+        self, name: str, catalog: dict[int, CatalogJob], since: datetime, until: datetime | None
+    ) -> list[InForce]:
+        made = []
+        for job in catalog.values():
+            held = InForce(job, since, until)
+            self.history.setdefault(job.key, []).append(held)
+            made.append(held)
+            self.registered.append(
+                ledger.Registration(name, job.key, job.name, schedule_text(job), since, until)
+            )
+        return made
 
     def say(self, text: str) -> None:
         self.log.append(f"t={self.t:.1f} {text}")
@@ -180,6 +203,7 @@ class World:
             workers=SimPool(lambda run: self._started(holder[0], run)),
         )
         replica = Replica(name, proxy, gate, catalog, fired=self.now() + skew, skew=skew)
+        replica.in_force = self._register(real.instance, catalog, self.now(), None)
         holder.append(replica)
         return replica
 
@@ -395,8 +419,16 @@ class World:
         self.faults.update(["crash_restart"])
 
     def _gone(self, replica: Replica) -> None:
-        """The process ends: its session and locks with it, and its runs."""
+        """The process ends: its session and locks with it, and its runs; its schedules are
+        in force until the replica that takes its place registers its own."""
         replica.proxy._real.close()
+        instance = replica.proxy._real.instance
+        for held in replica.in_force:
+            held.until = self.now()
+        self.registered = [
+            dataclasses.replace(r, until=self.now()) if r.instance == instance and r.until is None else r
+            for r in self.registered
+        ]
         for sim in self.live_runs():
             if sim.replica is replica:
                 sim.ended = True
@@ -455,8 +487,14 @@ class World:
         assert job.trigger is not None
         if any(entry[0].key == job.key for entry in replica.gate._manual):
             return  # one pass per job at a time, each tick claimed once the last has answered
-        missed = ticks_between(job.trigger, self.start - timedelta(minutes=2), self.start, 8)
-        replica.gate._queue_manual(job, Future(), missed[step.b % len(missed)], Intent.CATCH_UP)
+        t = ledger.ticks
+        with self.site.engine.connect() as conn:
+            have = set(conn.execute(select(t.c.scheduled_at).where(t.c.job_key == job.key)).scalars())
+        mine = [r for r in self.registered if r.key == job.key]
+        to_run, _ = catch_up.plan(job, mine, self.now(), self.start, have)
+        if not to_run:
+            return
+        replica.gate._queue_manual(job, Future(), to_run[step.b % len(to_run)], Intent.CATCH_UP)
         self.faults.update(["catch_up"])
 
     def _database_restart(self, step: Step) -> None:
@@ -520,3 +558,18 @@ class Reference:
                 break
             seen.append(tick)
         return [t for t in seen if after < t <= until]
+
+
+@dataclass
+class InForce:
+    """One replica's schedule of one job, and when it was in force (the world's record)."""
+
+    job: CatalogJob
+    since: datetime
+    until: datetime | None
+
+    def contains(self, tick: datetime) -> bool:
+        if tick < self.since or (self.until is not None and tick > self.until):
+            return False
+        trigger = self.job.trigger
+        return trigger is not None and tick_after(trigger, tick - timedelta(microseconds=1)) == tick
