@@ -61,24 +61,20 @@ def play(kind: str, server: str | None, seed: int, steps: list[Step]) -> Played:
             world.replicas.append(world.add_replica(f"r{i}", variant=0))
         violation = None
         try:
-            for index, step in enumerate(steps):
+            for step in steps:
                 world.play(step)
-            index = len(steps)
+                index += 1
             world.settle()
         except Violation as found:
             violation = found
-        return Played(
-            violation, index, world.faults, world.checked, world.step_errors, world.log
-        )
+        return Played(violation, index, world.faults, world.checked, world.step_errors, world.log)
     finally:
         quiet.level = level
         world.close()
         site.close()
 
 
-def shrink(
-    fails: Callable[[list[Step]], bool], steps: list[Step], deadline: float
-) -> list[Step]:
+def shrink(fails: Callable[[list[Step]], bool], steps: list[Step], deadline: float) -> list[Step]:
     """Greedy: drop chunks of steps, halving the chunk, while the list still fails."""
     chunk = max(1, len(steps) // 2)
     while chunk >= 1 and time.monotonic() < deadline:

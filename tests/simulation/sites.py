@@ -81,9 +81,7 @@ class PgSite:
         self.admin.close()
         with psycopg.connect(self.server, autocommit=True) as admin:
             admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                    sql.Identifier(self.name)
-                )
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name))
             )
 
 

@@ -21,10 +21,9 @@ from sqlalchemy import select, update
 
 from scheduler import catch_up, ledger, pauses
 from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
-from scheduler.catalog import CatalogJob
+from scheduler.catalog import CatalogJob, schedule_text
 from scheduler.gate import Gate
 from scheduler.gate.runs import Run
-from scheduler.catalog import schedule_text
 from scheduler.schedules import _ticks, next_ticks, tick_after
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules
@@ -426,7 +425,9 @@ class World:
         for held in replica.in_force:
             held.until = self.now()
         self.registered = [
-            dataclasses.replace(r, until=self.now()) if r.instance == instance and r.until is None else r
+            dataclasses.replace(r, until=self.now())
+            if r.instance == instance and r.until is None
+            else r
             for r in self.registered
         ]
         for sim in self.live_runs():
@@ -489,7 +490,9 @@ class World:
             return  # one pass per job at a time, each tick claimed once the last has answered
         t = ledger.ticks
         with self.site.engine.connect() as conn:
-            have = set(conn.execute(select(t.c.scheduled_at).where(t.c.job_key == job.key)).scalars())
+            have = set(
+                conn.execute(select(t.c.scheduled_at).where(t.c.job_key == job.key)).scalars()
+            )
         mine = [r for r in self.registered if r.key == job.key]
         to_run, _ = catch_up.plan(job, mine, self.now(), self.start, have)
         if not to_run:
