@@ -60,7 +60,8 @@ def try_patch(patch: Path, seeds: int, steps: int) -> tuple[bool, str]:
 
 _RUN = (
     "import scheduler, sys, pathlib;"
-    "assert pathlib.Path(scheduler.__file__).is_relative_to(pathlib.Path.cwd()), scheduler.__file__;"
+    "here = pathlib.Path(scheduler.__file__).is_relative_to(pathlib.Path.cwd());"
+    "assert here, scheduler.__file__;"
     "from tests.simulation.mutations import play_here;"
     "sys.exit(play_here({seeds}, {steps}))"
 )
