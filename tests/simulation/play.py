@@ -19,7 +19,7 @@ from tests.simulation.steps import Step, draw
 from tests.simulation.world import REPLICAS, World
 
 DEFAULT_SEEDS = 4
-DEFAULT_STEPS = 250
+DEFAULT_STEPS = 200
 FIRST_SEED = 1
 
 

@@ -27,7 +27,7 @@ from scheduler.gate.runs import Run
 from scheduler.schedules import _ticks, next_ticks, tick_after
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules
-from tests.simulation.faults import CALLS, Faulty
+from tests.simulation.faults import Faulty
 from tests.simulation.rules import Violation
 from tests.simulation.sites import HOLDER_TIMEOUT
 from tests.simulation.steps import CALL_FAULTS, Step
@@ -365,10 +365,11 @@ class World:
 
     def _fault_call(self, step: Step) -> None:
         replica = self._replica(step.a)
-        if replica.proxy.armed is None:
-            targets = (None, None, *CALLS)  # whichever call comes first, or one kind of call
-            target = targets[(step.c >> 8) % len(targets)]
-            replica.proxy.armed = (CALL_FAULTS[step.b % len(CALL_FAULTS)], step.c, target)
+        # Whichever call comes first, or the first of one kind that changes something;
+        # a fault still waiting gives way to this one.
+        targets = (None, None, None, "claim", "finish", "claim_retries")
+        target = targets[(step.c >> 8) % len(targets)]
+        replica.proxy.armed = (CALL_FAULTS[step.b % len(CALL_FAULTS)], step.c, target)
 
     def _freeze(self, step: Step) -> None:
         replica = self._replica(step.a)
@@ -435,15 +436,17 @@ class World:
                 sim.ended = True
 
     def _reload(self, step: Step) -> None:
-        """A reload that changes one job's skip_alert_after."""
-        replica = self._replica(step.a)
+        """A changed config.yaml (one job's skip_alert_after), reloaded by one replica, or by
+        each in turn (a fleet-wide change)."""
         key = jobs.KEYS[step.b % len(jobs.KEYS)]
-        job = replica.catalog.get(key)
-        if job is None:
-            return
-        replica.catalog[key] = jobs.with_threshold(job, 1 + step.c % 4)
-        replica.gate.desk.jobs = replica.catalog  # type: ignore[union-attr]
-        replica.gate.reloaded(replica.catalog.get)
+        chosen = self.replicas if step.a % 2 else [self._replica(step.a >> 1)]
+        for replica in chosen:
+            job = replica.catalog.get(key)
+            if job is None:
+                continue
+            replica.catalog[key] = jobs.with_threshold(job, 1 + step.c % 4)
+            replica.gate.desk.jobs = replica.catalog  # type: ignore[union-attr]
+            replica.gate.reloaded(replica.catalog.get)
         self.faults.update(["reload"])
 
     def _pause_resume(self, step: Step) -> None:
@@ -498,6 +501,9 @@ class World:
         if not to_run:
             return
         replica.gate._queue_manual(job, Future(), to_run[step.b % len(to_run)], Intent.CATCH_UP)
+        if step.c % 2 and replica.proxy.armed is None:  # a fault waits for its claim
+            fault = CALL_FAULTS[(step.c >> 1) % len(CALL_FAULTS)]
+            replica.proxy.armed = (fault, step.c >> 4, "claim")
         self.faults.update(["catch_up"])
 
     def _database_restart(self, step: Step) -> None:
