@@ -442,12 +442,21 @@ class Gate:
 
     def _claim_manual(self, intents: frozenset[Intent]) -> bool:
         """Claim the queued manual ticks of these intents (run-now, caught-up); returns
-        whether a claim failed."""
+        whether a claim failed.
+
+        After a failed claim the rest wait for the next step: the failed one may have
+        left the job's lock taken, and a second claim of that job would take it again
+        on top (advisory locks stack), beyond what the give-back after it leaves.
+        """
         with self._mutex:
             manual = [entry for entry in self._manual if entry[3] in intents]
             self._manual = [entry for entry in self._manual if entry[3] not in intents]
         failed = False
         for i, (job, tick, result, intent) in enumerate(manual):
+            if failed:
+                with self._mutex:
+                    self._manual[:0] = manual[i:]
+                break
             if self._stopping_runs.is_set():  # shutting down: nothing new starts here
                 result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
                 continue
@@ -458,7 +467,7 @@ class Gate:
                 result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
                 continue
             try:
-                failed = self.claims.manual(job, tick, result, intent) or failed
+                failed = self.claims.manual(job, tick, result, intent)
             except SessionLost:
                 with self._mutex:  # this one and every one after it wait for the next session
                     self._manual[:0] = manual[i:]

@@ -1,0 +1,211 @@
+"""Faults at the calls a gate makes into its backend, and the two backends' ways to make them.
+
+`Faulty` stands between a gate and its backend: the fault armed for a replica
+meets its next call. An error before the statement, and one after the commit
+with the reply lost, are raised here; a statement or lock timeout and a
+deadlock are raised inside the call, at one of the statements it writes with
+(PostgreSQL: a trigger raising the server's own error code; embedded: one
+step of the transaction), so whatever the call did before stays done, locks
+included, as with the real fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+from sqlalchemy.exc import OperationalError
+
+from scheduler.backends.base import SessionLost
+from scheduler.backends.embedded_steps import Steps
+
+CALLS = ("claim", "finish", "claim_retries", "release_strays", "heartbeat", "take_requests")
+
+# The server's code for each fault raised inside a statement.
+PG_CODES = {"statement_timeout": "57014", "lock_timeout": "55P03", "deadlock": "40P01"}
+PG_TABLES = ("scheduler_ticks", "scheduler_attempts", "scheduler_jobs", "scheduler_notices")
+PG_POINTS = tuple(f"{table}:{op}" for table in PG_TABLES for op in ("INSERT", "UPDATE"))
+FAIL_TRIGGER = """
+CREATE OR REPLACE FUNCTION sim_fail_here() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('sim.fail_on', true) = TG_TABLE_NAME || ':' || TG_OP THEN
+        RAISE EXCEPTION 'simulated fault on %', TG_TABLE_NAME || ':' || TG_OP
+              USING ERRCODE = current_setting('sim.fail_code');
+    END IF;
+    RETURN NEW;
+END $$;
+"""
+# Embedded: the steps of a claim, a finish and a look for retries; `_lock` fails just
+# after it took a lock (a statement cut short behind it).
+EMBEDDED_POINTS = (
+    "choose",
+    "lock_manual",
+    "insert_ticks",
+    "take_locks",
+    "record_skips",
+    "crash_stale",
+    "skip_streaks",
+    "record_finishes",
+    "finish_streaks",
+    "claim_retries",
+    "_lock",
+)
+EMBEDDED_MESSAGES = {
+    "statement_timeout": "interrupted",
+    "lock_timeout": "database table is locked",
+    "deadlock": "simulated deadlock",
+}
+
+
+def install_pg_trigger(admin: psycopg.Connection) -> None:
+    admin.execute(FAIL_TRIGGER)
+    for table in PG_TABLES:
+        admin.execute(
+            f"CREATE OR REPLACE TRIGGER sim_fail BEFORE INSERT OR UPDATE ON {table}"
+            " FOR EACH ROW EXECUTE FUNCTION sim_fail_here()"
+        )
+
+
+def injected(what: str) -> OperationalError:
+    return OperationalError("simulated", None, RuntimeError(f"simulated {what}"))
+
+
+class Faulty:
+    """The backend a gate is given: its calls go through, or meet the armed fault."""
+
+    def __init__(
+        self,
+        real: Any,
+        *,
+        kill: Callable[[], bool],
+        fired: Callable[[str], None],
+        observe: Callable[[str, tuple[Any, ...], Any], None],
+        say: Callable[[str], None] = lambda _text: None,
+    ) -> None:
+        self._say = say
+        self._real = real
+        self._kill = kill  # end this replica's session as the server would (False: cannot)
+        self._fired = fired  # count a fault that met a call
+        self._observe = observe  # what a call committed: (name, args, result)
+        # (fault, point, the call it waits for: None for whichever comes first)
+        self.armed: tuple[str, int, str | None] | None = None
+        self.pid: int | None = None  # PostgreSQL: the lock session's backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def connect(self) -> None:
+        self._real.connect()
+        conn = getattr(self._real, "_conn", None)
+        driver = conn.connection.driver_connection if conn is not None else None
+        self.pid = driver.info.backend_pid if isinstance(driver, psycopg.Connection) else None
+
+    def claim(self, *args: Any) -> Any:
+        return self._call("claim", args)
+
+    def finish(self, *args: Any) -> Any:
+        return self._call("finish", args)
+
+    def claim_retries(self, *args: Any) -> Any:
+        return self._call("claim_retries", args)
+
+    def release_strays(self, *args: Any) -> Any:
+        return self._call("release_strays", args)
+
+    def heartbeat(self, *args: Any) -> Any:
+        return self._call("heartbeat", args)
+
+    def take_requests(self, *args: Any) -> Any:
+        return self._call("take_requests", args)
+
+    def _call(self, name: str, args: tuple[Any, ...]) -> Any:
+        method = getattr(self._real, name)
+        armed = self.armed
+        if armed is None or armed[2] not in (None, name):
+            return self._observed(name, args, method(*args))
+        self.armed = None
+        fault, point, _ = armed
+        self._say(f"{self._real.instance} {name} meets {fault} ({point})")
+        if fault in ("killed_session", "lost"):
+            if fault == "killed_session":
+                self._fired(fault)
+            if fault == "lost" or not self._kill():  # embedded: the keeper finds it lost
+                self._real.close()
+                raise SessionLost("simulated: the session was lost")
+            return self._observed(name, args, method(*args))
+        if fault == "error_before":
+            self._fired(fault)
+            raise injected("error before the statement")
+        # A fault waiting for one kind of call meets the first that changes something:
+        # a reply lost after a commit that wrote nothing, a statement that never ran, are
+        # no fault at all.
+        waits = armed[2] is not None
+        if fault == "reply_lost":
+            result = self._observed(name, args, method(*args))
+            if waits and _empty(result):
+                self.armed = armed
+                return result
+            self._fired(fault)
+            raise injected("reply lost after the commit")
+        try:
+            with self._inside(fault, point):
+                result = method(*args)
+        except SessionLost:
+            raise
+        except Exception:
+            self._fired(fault)
+            raise
+        if waits:
+            self.armed = armed
+        return self._observed(name, args, result)
+
+    def _observed(self, name: str, args: tuple[Any, ...], result: Any) -> Any:
+        self._observe(name, args, result)
+        return result
+
+    @contextlib.contextmanager
+    def _inside(self, fault: str, point: int) -> Iterator[None]:
+        conn = getattr(self._real, "_conn", None)
+        if self._real.name == "embedded":
+            with _failing_step(EMBEDDED_POINTS[point % len(EMBEDDED_POINTS)], fault):
+                yield
+            return
+        if conn is None:
+            yield
+            return
+        where = PG_POINTS[point % len(PG_POINTS)]
+        conn.exec_driver_sql(
+            f"SELECT set_config('sim.fail_on', '{where}', false),"
+            f" set_config('sim.fail_code', '{PG_CODES[fault]}', false)"
+        )
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                if self._real._conn is conn:
+                    conn.exec_driver_sql("SELECT set_config('sim.fail_on', '', false)")
+
+
+def _empty(result: Any) -> bool:
+    started = getattr(result, "started", result)  # Retries: what the look started
+    return isinstance(started, list) and not started
+
+
+@contextlib.contextmanager
+def _failing_step(point: str, fault: str) -> Iterator[None]:
+    original = getattr(Steps, point)
+    error = OperationalError("simulated", None, sqlite3.OperationalError(EMBEDDED_MESSAGES[fault]))
+
+    def failing(self: Steps, *args: Any, **kwargs: Any) -> Any:
+        if point == "_lock":  # cut short just after the lock was taken
+            original(self, *args, **kwargs)
+        raise error
+
+    setattr(Steps, point, failing)
+    try:
+        yield
+    finally:
+        setattr(Steps, point, original)

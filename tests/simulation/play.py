@@ -1,0 +1,113 @@
+"""Play a list of steps in a fresh world; shrink a failing list to a short trace.
+
+SIM_SEEDS and SIM_STEPS scale the budget (see docs/testing.md for the long run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tests.simulation import jobs
+from tests.simulation.rules import Violation
+from tests.simulation.sites import EmbeddedSite, PgSite
+from tests.simulation.steps import Step, draw
+from tests.simulation.world import REPLICAS, World
+
+DEFAULT_SEEDS = 4
+DEFAULT_STEPS = 200
+FIRST_SEED = 1
+
+
+def budget() -> tuple[list[int], int]:
+    """The seeds and the steps per seed: the default budget, or SIM_SEEDS and SIM_STEPS."""
+    seeds = int(os.environ.get("SIM_SEEDS", DEFAULT_SEEDS))
+    steps = int(os.environ.get("SIM_STEPS", DEFAULT_STEPS))
+    first = int(os.environ.get("SIM_FIRST_SEED", FIRST_SEED))
+    return list(range(first, first + seeds)), steps
+
+
+@dataclass
+class Played:
+    violation: Violation | None
+    at: int  # the index of the step that broke the rule (or the number played)
+    faults: Counter[str] = field(default_factory=Counter)
+    checked: int = 0
+    step_errors: int = 0
+    log: list[str] = field(default_factory=list)
+
+
+def open_site(kind: str, server: str | None) -> PgSite | EmbeddedSite:
+    if kind == "postgresql":
+        assert server is not None
+        return PgSite(server)
+    return EmbeddedSite()
+
+
+def play(kind: str, server: str | None, seed: int, steps: list[Step]) -> Played:
+    """A fresh ledger, three replicas; every step played, then the fleet settles."""
+    site = open_site(kind, server)
+    start = jobs.AUTUMN if seed % 2 else jobs.SPRING
+    world = World(site, start)
+    quiet = logging.getLogger("scheduler")
+    level, quiet.level = quiet.level, logging.CRITICAL  # faults make the gate say a lot
+    index = 0
+    try:
+        for i in range(REPLICAS):
+            world.replicas.append(world.add_replica(f"r{i}", variant=0))
+        violation = None
+        try:
+            for step in steps:
+                world.play(step)
+                index += 1
+            world.settle()
+        except Violation as found:
+            violation = found
+        return Played(violation, index, world.faults, world.checked, world.step_errors, world.log)
+    finally:
+        quiet.level = level
+        world.close()
+        site.close()
+
+
+def shrink(fails: Callable[[list[Step]], bool], steps: list[Step], deadline: float) -> list[Step]:
+    """Greedy: drop chunks of steps, halving the chunk, while the list still fails."""
+    chunk = max(1, len(steps) // 2)
+    while chunk >= 1 and time.monotonic() < deadline:
+        i, shrunk = 0, False
+        while i < len(steps) and time.monotonic() < deadline:
+            candidate = steps[:i] + steps[i + chunk :]
+            if candidate and fails(candidate):
+                steps, shrunk = candidate, True
+            else:
+                i += chunk
+        if not shrunk:
+            chunk //= 2
+    return steps
+
+
+def report(kind: str, server: str | None, seed: int, count: int) -> tuple[Played, str | None]:
+    """Play a seed; a failure comes back with the seed and its shortest trace found."""
+    steps = draw(seed, count)
+    played = play(kind, server, seed, steps)
+    if played.violation is None:
+        return played, None
+    rule = played.violation.rule
+    failing = steps[: played.at + 1]
+
+    def fails(candidate: list[Step]) -> bool:
+        again = play(kind, server, seed, candidate)
+        return again.violation is not None and again.violation.rule == rule
+
+    limit = float(os.environ.get("SIM_SHRINK_SECONDS", 60))
+    short = shrink(fails, failing, time.monotonic() + limit)
+    trace = "\n  ".join(str(step) for step in short)
+    return played, (
+        f"seed {seed} on {kind} ({count} steps): {played.violation}\n"
+        f"replay: SIM_FIRST_SEED={seed} SIM_SEEDS=1 SIM_STEPS={count}\n"
+        f"shortest trace found ({len(short)} of {played.at + 1} steps):\n  {trace}"
+    )

@@ -1,0 +1,168 @@
+"""The rules a simulated fleet must keep, each in one place, as README and
+docs/guarantees.md state them (not as the code does it).
+
+Rules on a run are checked the moment it starts; rules on the fleet after
+every step. Each raises Violation with what it saw.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sqlalchemy import select
+
+from scheduler import ledger
+
+if TYPE_CHECKING:
+    from tests.simulation.world import SimRun, World
+
+
+class Violation(AssertionError):
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"{rule}: {message}")
+        self.rule = rule
+
+
+# -- when a run starts -----------------------------------------------------------------
+
+
+def no_tick_started_twice(world: World, run: SimRun) -> None:
+    """Exactly once (guarantee 1): a tick, or a retry's attempt, starts on one replica once."""
+    ident = (run.key, run.scheduled_at, run.attempt)
+    if ident in world.started:
+        raise Violation(
+            "no_tick_started_twice",
+            f"job {run.key} tick {run.scheduled_at} attempt {run.attempt} started again on "
+            f"{run.replica.name} (first on {world.started[ident]})",
+        )
+    world.started[ident] = run.replica.name
+
+
+def no_overlap_unless_told(world: World, run: SimRun) -> None:
+    """Never overlapping (guarantee 2): another run of the job still going elsewhere must
+    have been told `lock_lost`, or have lost its lock with its session (frozen, killed:
+    told as soon as its replica can tell)."""
+    for other in world.live_runs():
+        if other is run or other.key != run.key:
+            continue
+        if not (other.told() or other.lock_gone):
+            raise Violation(
+                "no_overlap_unless_told",
+                f"job {run.key}: run {run.run_id} started on {run.replica.name} while run "
+                f"{other.run_id} of {other.replica.name} goes on, not told its lock was lost",
+            )
+
+
+def started_untold(world: World, run: SimRun) -> None:
+    """A run started after a session was lost is never handed an event already set."""
+    if run.told():
+        raise Violation(
+            "started_untold",
+            f"job {run.key}: run {run.run_id} on {run.replica.name} started already told "
+            "its lock was lost",
+        )
+
+
+def run_id_grows(world: World, run: SimRun) -> None:
+    """Fencing (`run_id`): each run of a job has a run_id greater than any earlier run's."""
+    before = world.max_run_id.get(run.key, 0)
+    if run.run_id <= before:
+        raise Violation(
+            "run_id_grows",
+            f"job {run.key}: run_id {run.run_id} on {run.replica.name} after {before}",
+        )
+    world.max_run_id[run.key] = run.run_id
+
+
+def paused_starts_no_scheduled_tick(world: World, run: SimRun) -> None:
+    """Pause (guarantee 9): a job paused for the fleet starts none of its ticks, retries or
+    caught-up ticks; only a run a person asks for (`scheduler trigger`) runs paused or not."""
+    if run.key in world.paused and not run.run.asked:
+        raise Violation(
+            "paused_starts_no_scheduled_tick",
+            f"job {run.key} tick {run.scheduled_at} attempt {run.attempt} started on "
+            f"{run.replica.name} while paused",
+        )
+
+
+def caught_up_tick_was_due(world: World, run: SimRun) -> None:
+    """The ledger explains every tick (guarantee 9): a tick caught up was due, that is, a
+    schedule in force at that instant contained it (no row for a tick no schedule had)."""
+    if not run.run.caught_up:
+        return
+    if not any(held.contains(run.scheduled_at) for held in world.history[run.key]):
+        raise Violation(
+            "caught_up_tick_was_due",
+            f"job {run.key}: caught-up tick {run.scheduled_at:%H:%M:%S} run on "
+            f"{run.replica.name}, but no schedule in force then had it",
+        )
+
+
+ON_START = (
+    caught_up_tick_was_due,
+    no_tick_started_twice,
+    no_overlap_unless_told,
+    started_untold,
+    run_id_grows,
+    paused_starts_no_scheduled_tick,
+)
+
+
+# -- when a replica's scheduler fires ---------------------------------------------------
+
+
+def same_instants(world: World, job_key: int, fired: list, expected: list, who: str) -> None:
+    """Time zones (guarantee 8): every replica computes the same UTC instants, wherever its
+    walk starts (a restart inside the repeated autumn hour, a clock that jumped): what it
+    fires between two instants is what one walk from before the DST change lists there."""
+    if fired != expected:
+        extra = sorted(set(fired) - set(expected))
+        missing = sorted(set(expected) - set(fired))
+        raise Violation(
+            "same_instants",
+            f"job {job_key} on {who}: fired {len(fired)} tick(s), one walk lists "
+            f"{len(expected)}; extra {[f'{t:%H:%M:%S}' for t in extra[:5]]}, missing "
+            f"{[f'{t:%H:%M:%S}' for t in missing[:5]]}",
+        )
+
+
+# -- after every step ------------------------------------------------------------------
+
+
+def locks_follow_runs(world: World) -> None:
+    """Locks follow runs (guarantee 11): a replica holds a job's lock only while it has a
+    run of that job here (no claim is in flight between two steps)."""
+    held = world.site.held([r.proxy for r in world.replicas])
+    for replica in world.replicas:
+        mine = held.get(id(replica.proxy), set())
+        running = set(replica.gate._runs)
+        if not mine <= running:
+            raise Violation(
+                "locks_follow_runs",
+                f"{replica.name} holds the locks of {sorted(mine - running)} with runs of "
+                f"{sorted(running)}",
+            )
+
+
+def streaks_recount(world: World) -> None:
+    """Skips (guarantee 7): each job's skip streak is what its claims add up to (a skip
+    grows it, a run ends it), and a streak at its threshold has raised its alert."""
+    j = ledger.jobs
+    with world.site.engine.connect() as conn:
+        rows = conn.execute(select(j.c.job_key, j.c.consecutive_skips, j.c.skip_alerted)).all()
+    for key, streak, alerted in rows:
+        expected = world.streaks.get(key, 0)
+        if streak != expected:
+            raise Violation(
+                "streaks_recount",
+                f"job {key}: the ledger's skip streak is {streak}, its claims add up to {expected}",
+            )
+        threshold = world.thresholds.get(key)
+        if threshold is not None and streak >= threshold and not alerted:
+            raise Violation(
+                "streaks_recount",
+                f"job {key}: {streak} skips in a row, threshold {threshold}, and no alert",
+            )
+
+
+AFTER_STEP = (locks_follow_runs, streaks_recount)

@@ -1,0 +1,88 @@
+"""The steps of a simulated run, drawn from one seeded generator before it starts.
+
+A step is plain data: which action, and a few numbers that the world reads
+modulo what exists when it is played (a replica index, a run index). So a
+step list replays exactly, and a shorter list made by removing steps still
+means something: shrinking replays it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+# Every fault the simulation injects, by the name the summary counts it under.
+FAULTS = (
+    "error_before",
+    "reply_lost",
+    "statement_timeout",
+    "lock_timeout",
+    "deadlock",
+    "killed_session",
+    "frozen_replica",
+    "clock_jump",
+    "clock_skew",
+    "restart_other_schedule",
+    "crash_restart",
+    "reload",
+    "pause_resume",
+    "run_now",
+    "retry_due",
+    "catch_up",
+    "database_restart",
+)
+CALL_FAULTS = (
+    "error_before",
+    "reply_lost",
+    "statement_timeout",
+    "lock_timeout",
+    "deadlock",
+    "killed_session",
+)
+
+
+class Step(NamedTuple):
+    action: str
+    a: int = 0
+    b: int = 0
+    c: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.action}({self.a},{self.b},{self.c})"
+
+
+# (action, weight): time and steps of the replicas dominate, faults season them.
+WEIGHTS = (
+    ("tick", 20),
+    ("step_all", 25),
+    ("step", 10),
+    ("finish", 22),
+    ("fault_call", 14),
+    ("freeze", 1),
+    ("clock_jump", 1),
+    ("clock_skew", 1),
+    ("restart_other_schedule", 1),
+    ("crash_restart", 1),
+    ("reload", 2),
+    ("pause_resume", 2),
+    ("run_now", 3),
+    ("retry_due", 3),
+    ("catch_up", 2),
+    ("database_restart", 1),
+)
+
+
+def draw(seed: int, count: int) -> list[Step]:
+    """`count` steps from `seed`: the same seed gives the same steps, on every backend."""
+    rng = random.Random(seed)
+    actions = [name for name, _ in WEIGHTS]
+    weights = [weight for _, weight in WEIGHTS]
+    return [
+        Step(
+            rng.choices(actions, weights)[0],
+            rng.randrange(1 << 16),
+            rng.randrange(1 << 16),
+            rng.randrange(1 << 16),
+        )
+        for _ in range(count)
+    ]

@@ -1,0 +1,584 @@
+"""A simulated fleet: several gates over one backend, in one process, played step by step.
+
+Each replica has its own clock (a skew over the world's time), its own lock
+session (`Faulty` over a real backend) and a pool that hands its runs to the
+simulation, which decides when each one ends and how. Nothing sleeps and no
+thread of the gate is started: a step is `Gate.step()`, where the dispatcher
+thread would call it. The world's time is the monotonic clock of every gate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+
+from scheduler import catch_up, ledger, pauses
+from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
+from scheduler.catalog import CatalogJob, schedule_text
+from scheduler.gate import Gate
+from scheduler.gate.runs import Run
+from scheduler.schedules import _ticks, next_ticks, tick_after
+from scheduler.statuses import TIMED_OUT, Status
+from tests.simulation import jobs, rules
+from tests.simulation.faults import Faulty
+from tests.simulation.rules import Violation
+from tests.simulation.sites import HOLDER_TIMEOUT
+from tests.simulation.steps import CALL_FAULTS, Step
+
+REPLICAS = 3
+MAX_WORKERS = 3
+BY_HAND = frozenset({Intent.MANUAL, Intent.CATCH_UP})
+
+
+@dataclass(eq=False)
+class SimRun:
+    replica: Replica
+    run: Run
+    lock_gone: bool = False  # its session ended under it (the replica may not know yet)
+    ended: bool = False
+
+    @property
+    def key(self) -> int:
+        return self.run.job.key
+
+    @property
+    def scheduled_at(self) -> datetime:
+        return self.run.ctx.scheduled_at
+
+    @property
+    def attempt(self) -> int:
+        return self.run.ctx.attempt
+
+    @property
+    def run_id(self) -> int:
+        return self.run.ctx.run_id
+
+    @property
+    def scheduled(self) -> bool:
+        """A tick the job's schedule fired (not a retry, a run-now or a caught-up tick)."""
+        return self.run.manual is None and self.attempt == 1
+
+    def told(self) -> bool:
+        return self.run.ctx.lock_lost.is_set()
+
+
+class SimPool:
+    """The gate's workers: each run handed over is the simulation's to play."""
+
+    def __init__(self, started: Callable[[Run], None]) -> None:
+        self.started = started
+
+    def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None:
+        for _fn, (run, _event) in tasks:
+            assert isinstance(run, Run)
+            self.started(run)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        return None
+
+
+class Desk:
+    """The replica's jobs, for retries (no run-now requests come through the ledger here)."""
+
+    def __init__(self, catalog: dict[int, CatalogJob]) -> None:
+        self.jobs = catalog
+
+    def keys(self) -> list[int]:
+        return list(self.jobs)
+
+    def enabled_keys(self) -> list[int]:
+        return [key for key, job in self.jobs.items() if job.enabled]
+
+    def job(self, key: int) -> CatalogJob | None:
+        return self.jobs.get(key)
+
+    def settle(self, *args: object) -> None:
+        return None
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    proxy: Faulty
+    gate: Gate
+    catalog: dict[int, CatalogJob]
+    fired: datetime  # the last instant its scheduler fired ticks up to (its own clock)
+    skew: timedelta = timedelta(0)
+    frozen_since: float | None = None
+    frozen_until: float = 0.0
+    killed_while_frozen: bool = False
+    in_force: list[InForce] = field(default_factory=list)  # its registrations
+
+    def frozen(self, now: float) -> bool:
+        return self.frozen_since is not None and now < self.frozen_until
+
+
+@dataclass
+class World:
+    site: Any  # sites.PgSite or sites.EmbeddedSite
+    start: datetime
+    t: float = 0.0  # seconds of world time since `start`
+    replicas: list[Replica] = field(default_factory=list)
+    runs: list[SimRun] = field(default_factory=list)
+    started: dict[tuple[int, datetime, int], str] = field(default_factory=dict)
+    max_run_id: dict[int, int] = field(default_factory=dict)  # by job
+    paused: set[int] = field(default_factory=set)
+    streaks: dict[int, int] = field(default_factory=dict)  # skip streaks, from the claims
+    thresholds: dict[int, int] = field(default_factory=dict)  # of each job's latest skip
+    faults: Counter[str] = field(default_factory=Counter)
+    checked: int = 0  # rules checked
+    step_errors: int = 0  # errors a step let through (the real loop logs them, goes on)
+    restarts: int = 0
+    log: list[str] = field(default_factory=list)  # what happened, for a failure's report
+    reference: Reference = field(init=False)
+
+    # What each job's replicas registered, as the world saw it (the rule's own record),
+    # and as the ledger's registrations (what catch-up plans from).
+    history: dict[int, list[InForce]] = field(default_factory=dict)
+    registered: list[ledger.Registration] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reference = Reference(self.start - timedelta(hours=2))
+        began, ended = self.start - jobs.DOWN_FOR - jobs.RAN_FOR, self.start - jobs.DOWN_FOR
+        self._register("gone", jobs.catalog(1), began, ended)
+
+    def _register(
+        self, name: str, catalog: dict[int, CatalogJob], since: datetime, until: datetime | None
+    ) -> list[InForce]:
+        made = []
+        for job in catalog.values():
+            held = InForce(job, since, until)
+            self.history.setdefault(job.key, []).append(held)
+            made.append(held)
+            self.registered.append(
+                ledger.Registration(name, job.key, job.name, schedule_text(job), since, until)
+            )
+        return made
+
+    def say(self, text: str) -> None:
+        self.log.append(f"t={self.t:.1f} {text}")
+
+    # -- the world's clocks ----------------------------------------------------------
+
+    def monotonic(self) -> float:
+        return 1000.0 + self.t
+
+    def now(self) -> datetime:
+        return self.start + timedelta(seconds=self.t)
+
+    # -- replicas --------------------------------------------------------------------
+
+    def add_replica(self, name: str, variant: int, skew: timedelta = timedelta(0)) -> Replica:
+        catalog = jobs.catalog(variant)
+        real = self.site.backend(f"{name}#{self.restarts}")
+        self.restarts += 1
+        holder: list[Replica] = []
+        proxy = Faulty(
+            real,
+            kill=lambda: self._kill(holder[0]),
+            fired=lambda kind: self.faults.update([kind]),
+            observe=self._observe,
+            say=lambda text: self.say(text),
+        )
+        replica_clock = lambda: self.now() + holder[0].skew  # noqa: E731
+        gate = Gate(
+            proxy,  # type: ignore[arg-type]
+            instance=real.instance,
+            max_workers=MAX_WORKERS,
+            holder_timeout=HOLDER_TIMEOUT,
+            clock=replica_clock,
+            monotonic=self.monotonic,
+            desk=Desk(catalog),
+            workers=SimPool(lambda run: self._started(holder[0], run)),
+        )
+        replica = Replica(name, proxy, gate, catalog, fired=self.now() + skew, skew=skew)
+        replica.in_force = self._register(real.instance, catalog, self.now(), None)
+        holder.append(replica)
+        return replica
+
+    def live_runs(self) -> list[SimRun]:
+        return [r for r in self.runs if not r.ended]
+
+    def _started(self, replica: Replica, run: Run) -> None:
+        sim = SimRun(replica, run)
+        self.say(
+            f"{replica.name} starts {run.job.key} {run.ctx.scheduled_at:%H:%M:%S.%f} "
+            f"attempt {run.ctx.attempt} run_id {run.ctx.run_id}"
+        )
+        for rule in rules.ON_START:
+            self.checked += 1
+            rule(self, sim)
+        self.runs.append(sim)
+
+    def _observe(self, name: str, args: tuple[Any, ...], result: Any) -> None:
+        """What a call committed: the skip streaks its claims make (a skip grows the job's,
+        a run ends it; a skip behind a run asked for by hand counts in none)."""
+        if name in ("claim", "claim_retries", "finish", "release_strays"):
+            self.say(f"{name} -> {_brief(result)}")
+        if name == "claim":
+            requests: list[ClaimRequest] = args[0]
+            self._streaks(requests, result)
+        # A retry is a failed tick's next attempt: it changes no streak (see Retries in
+        # docs/run-policies.md), whether it starts or ends.
+
+    def _streaks(self, requests: list[ClaimRequest], results: list[ClaimResult]) -> None:
+        asked = {(r.key, r.scheduled_at): r for r in requests}
+        ran = {r.key for r in results if r.outcome is Outcome.RUN}
+        for key in ran:
+            self.streaks[key] = 0
+        for result in results:
+            request = asked[(result.key, result.scheduled_at)]
+            if result.outcome is not Outcome.SKIPPED or request.intent in BY_HAND:
+                continue
+            if result.key in ran or self._behind_by_hand(result.key):
+                continue
+            self.streaks[result.key] = self.streaks.get(result.key, 0) + 1
+            thresholds = [
+                r.skip_threshold
+                for r in requests
+                if r.key == result.key and r.intent not in BY_HAND
+            ]
+            self.thresholds[result.key] = min(thresholds)
+
+    def _behind_by_hand(self, key: int) -> bool:
+        """A skip behind a run a person asked for counts in no streak (the newest running
+        row of the job is the run that held the lock)."""
+        t = ledger.ticks
+        query = (
+            select(t.c.manual)
+            .where(t.c.job_key == key, t.c.status == "running")
+            .order_by(t.c.scheduled_at.desc())
+            .limit(1)
+        )
+        with self.site.engine.connect() as conn:
+            return bool(conn.execute(query).scalar())
+
+    def _kill(self, replica: Replica) -> bool:
+        """The replica's lock session ends under it: its locks go, its runs go on.
+        False where only the replica itself can find its session lost (embedded)."""
+        session = replica.gate.session
+        if not self.site.kill(replica.proxy):
+            return False
+        for sim in self.live_runs():
+            if sim.replica is replica and sim.run.session == session.opened:
+                sim.lock_gone = True
+        return True
+
+    # -- playing a step --------------------------------------------------------------
+
+    def play(self, step: Step) -> None:
+        self.say(str(step))
+        getattr(self, f"_{step.action}")(step)
+        for rule in rules.AFTER_STEP:
+            self.checked += 1
+            rule(self)
+
+    def _replica(self, index: int) -> Replica:
+        return self.replicas[index % len(self.replicas)]
+
+    def _step_one(self, replica: Replica) -> None:
+        if replica.frozen(self.t):
+            return
+        if replica.frozen_since is not None:  # thawed
+            replica.frozen_since = None
+        try:
+            replica.gate.step()
+        except Violation:
+            raise
+        except Exception:
+            self.step_errors += 1
+
+    def _tick(self, step: Step) -> None:
+        """World time passes; each replica's scheduler fires the ticks its clock passed."""
+        self.t += 0.5 + (step.a % 40) / 10
+        for replica in self.replicas:
+            self._frozen_too_long(replica)
+            if replica.frozen(self.t):
+                continue
+            self.fire(replica)
+
+    def fire(self, replica: Replica) -> None:
+        """APScheduler's part: each tick in (last fired, the replica's now] goes to the gate."""
+        until = self.now() + replica.skew
+        if until <= replica.fired:
+            return
+        with replica.gate.burst():
+            for job in replica.catalog.values():
+                if not job.scheduled:
+                    continue
+                assert job.trigger is not None
+                ticks = [t for t in next_ticks(job.trigger, replica.fired, 200) if t <= until]
+                self.checked += 1
+                expected = self.reference.between(job, replica.fired, until)
+                rules.same_instants(self, job.key, ticks, expected, replica.name)
+                for tick in ticks:
+                    replica.gate.submit(job, tick)
+        replica.fired = until
+
+    def _frozen_too_long(self, replica: Replica) -> None:
+        """PostgreSQL ends a session quiet for holder_timeout (idle_session_timeout)."""
+        if replica.frozen_since is None or replica.killed_while_frozen:
+            return
+        if self.t - replica.frozen_since > HOLDER_TIMEOUT and replica.frozen(self.t):
+            replica.killed_while_frozen = True
+            self._kill(replica)  # embedded: kernel locks stay with the frozen process
+
+    def _step_all(self, step: Step) -> None:
+        for replica in self.replicas:
+            self._step_one(replica)
+
+    def _step(self, step: Step) -> None:
+        self._step_one(self._replica(step.a))
+
+    def _finish(self, step: Step) -> None:
+        """One run ends: succeeds, fails, times out, is interrupted, or goes on regardless."""
+        live = [r for r in self.live_runs() if not r.replica.frozen(self.t)]
+        if not live:
+            return
+        sim = live[step.a % len(live)]
+        choice = step.b % 10
+        if choice == 9:
+            return  # it ignores what it was told, and goes on
+        gate, run = sim.replica.gate, sim.run
+        told = sim.told() or run.ctx.stopping.is_set()
+        if choice in (5, 6) or (choice == 4 and run.job.retries):  # jobs with retries fail more
+            status, error = Status.FAILED, "the job failed"
+        elif choice == 7 and run.job.timeout is not None:
+            run.ctx.timed_out.set()
+            status, error = Status.FAILED, TIMED_OUT.format(timeout="20s")
+        elif choice == 8 and told:
+            status, error = Status.INTERRUPTED, "interrupted"
+        else:
+            status, error = Status.SUCCEEDED, None
+        sim.ended = True
+        gate.finishes.ended(run, status, error)
+
+    def _fault_call(self, step: Step) -> None:
+        replica = self._replica(step.a)
+        # Whichever call comes first, or the first of one kind that changes something;
+        # a fault still waiting gives way to this one.
+        targets = (None, None, None, "claim", "finish", "claim_retries")
+        target = targets[(step.c >> 8) % len(targets)]
+        replica.proxy.armed = (CALL_FAULTS[step.b % len(CALL_FAULTS)], step.c, target)
+
+    def _freeze(self, step: Step) -> None:
+        replica = self._replica(step.a)
+        if replica.frozen_since is not None:
+            return
+        replica.frozen_since, replica.killed_while_frozen = self.t, False
+        replica.frozen_until = self.t + 5 + step.b % 60
+        self.faults.update(["frozen_replica"])
+
+    def _clock_jump(self, step: Step) -> None:
+        replica = self._replica(step.a)
+        seconds = 1 + step.b % 120
+        replica.skew += timedelta(seconds=seconds if step.c % 4 else -seconds)
+        self.faults.update(["clock_jump"])
+
+    def _clock_skew(self, step: Step) -> None:
+        self._replica(step.a).skew = timedelta(seconds=step.b % 21 - 10)
+        self.faults.update(["clock_skew"])
+
+    def _restart_other_schedule(self, step: Step) -> None:
+        """A rolling deploy: a graceful stop, then the replica starts with another config."""
+        index = step.a % len(self.replicas)
+        old = self.replicas[index]
+        if old.frozen(self.t):
+            return
+        gate = old.gate
+        gate.queue.close()
+        gate._stopping_runs.set()
+        old.proxy.armed = None
+        for sim in self.live_runs():
+            if sim.replica is old:
+                sim.ended = True
+                gate.finishes.ended(sim.run, Status.INTERRUPTED, "stopping")
+        for _ in range(3):
+            self._step_one(old)
+            if not gate._runs:
+                break
+        self._gone(old)
+        self.replicas[index] = self.add_replica(old.name, step.b % 3, old.skew)
+        self.faults.update(["restart_other_schedule"])
+
+    def _crash_restart(self, step: Step) -> None:
+        index = step.a % len(self.replicas)
+        old = self.replicas[index]
+        self._gone(old)
+        self.replicas[index] = self.add_replica(old.name, step.b % 3, old.skew)
+        self.faults.update(["crash_restart"])
+
+    def _gone(self, replica: Replica) -> None:
+        """The process ends: its session and locks with it, and its runs; its schedules are
+        in force until the replica that takes its place registers its own."""
+        replica.proxy._real.close()
+        instance = replica.proxy._real.instance
+        for held in replica.in_force:
+            held.until = self.now()
+        self.registered = [
+            dataclasses.replace(r, until=self.now())
+            if r.instance == instance and r.until is None
+            else r
+            for r in self.registered
+        ]
+        for sim in self.live_runs():
+            if sim.replica is replica:
+                sim.ended = True
+
+    def _reload(self, step: Step) -> None:
+        """A changed config.yaml (one job's skip_alert_after), reloaded by one replica, or by
+        each in turn (a fleet-wide change)."""
+        key = jobs.KEYS[step.b % len(jobs.KEYS)]
+        chosen = self.replicas if step.a % 2 else [self._replica(step.a >> 1)]
+        for replica in chosen:
+            job = replica.catalog.get(key)
+            if job is None:
+                continue
+            replica.catalog[key] = jobs.with_threshold(job, 1 + step.c % 4)
+            replica.gate.desk.jobs = replica.catalog  # type: ignore[union-attr]
+            replica.gate.reloaded(replica.catalog.get)
+        self.faults.update(["reload"])
+
+    def _pause_resume(self, step: Step) -> None:
+        key = jobs.KEYS[step.a % len(jobs.KEYS)]
+        with self.site.engine.begin() as conn:
+            if key in self.paused:
+                pauses.resume(conn, key, f"job{key}", by="sim", now=datetime.now(UTC))
+                self.paused.discard(key)
+            else:
+                pauses.pause(conn, key, f"job{key}", by="sim", reason=None, now=datetime.now(UTC))
+                self.paused.add(key)
+        self.faults.update(["pause_resume"])
+
+    def _run_now(self, step: Step) -> None:
+        replica = self._replica(step.a)
+        job = replica.catalog.get(jobs.KEYS[step.b % len(jobs.KEYS)])
+        if job is None or replica.frozen(self.t):
+            return
+        replica.gate._queue_manual(job, Future())
+        self.faults.update(["run_now"])
+
+    def _retry_due(self, step: Step) -> None:
+        t = ledger.ticks
+        past = datetime.now(UTC) - timedelta(seconds=1)
+        with self.site.engine.begin() as conn:
+            conn.execute(update(t).where(t.c.retry_at.is_not(None)).values(retry_at=past))
+        for replica in self.replicas:
+            replica.gate.retries.due_in(0)
+        self.faults.update(["retry_due"])
+        if step.b % 2:  # and a fault waits for one replica's look for them
+            replica = self._replica(step.c)
+            if replica.proxy.armed is None:
+                fault = CALL_FAULTS[(step.b >> 1) % len(CALL_FAULTS)]
+                replica.proxy.armed = (fault, step.c >> 4, "claim_retries")
+
+    def _catch_up(self, step: Step) -> None:
+        """A catch-up pass: one tick of `slow` from before the fleet came up, lock first."""
+        replica = self._replica(step.a)
+        job = replica.catalog[jobs.SLOW]
+        if replica.frozen(self.t):
+            return
+        assert job.trigger is not None
+        if any(entry[0].key == job.key for entry in replica.gate._manual):
+            return  # one pass per job at a time, each tick claimed once the last has answered
+        t = ledger.ticks
+        with self.site.engine.connect() as conn:
+            have = set(
+                conn.execute(select(t.c.scheduled_at).where(t.c.job_key == job.key)).scalars()
+            )
+        mine = [r for r in self.registered if r.key == job.key]
+        to_run, _ = catch_up.plan(job, mine, self.now(), self.start, have)
+        if not to_run:
+            return
+        replica.gate._queue_manual(job, Future(), to_run[step.b % len(to_run)], Intent.CATCH_UP)
+        if step.c % 2 and replica.proxy.armed is None:  # a fault waits for its claim
+            fault = CALL_FAULTS[(step.c >> 1) % len(CALL_FAULTS)]
+            replica.proxy.armed = (fault, step.c >> 4, "claim")
+        self.faults.update(["catch_up"])
+
+    def _database_restart(self, step: Step) -> None:
+        """Every session ends at once; on the embedded backend, each replica's next call
+        finds its session lost."""
+        if self.site.kind == "postgresql":
+            self.site.restart()
+            for sim in self.live_runs():
+                sim.lock_gone = True
+        else:
+            for replica in self.replicas:
+                replica.proxy.armed = ("lost", 0, None)
+        self.faults.update(["database_restart"])
+
+    # -- the end ---------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Faults end, frozen replicas thaw, every run ends: the fleet must come to rest
+        with every rule still kept."""
+        for replica in self.replicas:
+            replica.frozen_since, replica.proxy.armed = None, None
+        for sim in self.live_runs():
+            sim.ended = True
+            sim.replica.gate.finishes.ended(sim.run, Status.SUCCEEDED, None)
+        for _ in range(4):
+            self.t += HOLDER_TIMEOUT / 3 + 1
+            self.play(Step("step_all"))
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.gate._stopping_runs.set()
+            replica.proxy._real.close()
+
+
+def _brief(result: Any) -> str:
+    if isinstance(result, Retries):
+        result = result.started
+    if isinstance(result, list):
+        return ", ".join(
+            f"{r.key}@{r.scheduled_at:%H:%M:%S}:{getattr(r, 'outcome', '')}"
+            if hasattr(r, "scheduled_at")
+            else str(r)
+            for r in result
+        )
+    return str(result)
+
+
+class Reference:
+    """Each schedule's ticks from one walk, begun two hours before the world starts (so
+    before the DST change), and extended as the world's time goes on."""
+
+    def __init__(self, since: datetime) -> None:
+        self.since = since
+        self.walks: dict[object, tuple[Any, list[datetime]]] = {}
+
+    def between(self, job: CatalogJob, after: datetime, until: datetime) -> list[datetime]:
+        walk, seen = self.walks.setdefault(job.schedule_key, (_ticks(job.trigger, self.since), []))
+        while not seen or seen[-1] < until:
+            tick = next(walk, None)
+            if tick is None:
+                break
+            seen.append(tick)
+        return [t for t in seen if after < t <= until]
+
+
+@dataclass
+class InForce:
+    """One replica's schedule of one job, and when it was in force (the world's record)."""
+
+    job: CatalogJob
+    since: datetime
+    until: datetime | None
+
+    def contains(self, tick: datetime) -> bool:
+        if tick < self.since or (self.until is not None and tick > self.until):
+            return False
+        trigger = self.job.trigger
+        return trigger is not None and tick_after(trigger, tick - timedelta(microseconds=1)) == tick
