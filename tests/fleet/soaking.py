@@ -34,12 +34,14 @@ NOT_RUN = ("skipped", "missed", "paused")
 CUT_SHORT = ("crashed", "interrupted")
 
 
-def restart(fleet: Fleet, name: str, clock_offset: str | None = None) -> None:
+def restart(
+    fleet: Fleet, name: str, clock_offset: str | None = None, env: dict[str, str] | None = None
+) -> None:
     """Start the replica again, keeping its earlier log (a new start rewrites the file)."""
     replica = fleet.replicas[name]
     with open(f"{replica.log_path}.earlier", "a") as f:
         f.write(replica.log())
-    fleet.start(name, clock_offset=clock_offset)
+    fleet.start(name, clock_offset=clock_offset, env=env)
 
 
 def logs(fleet: Fleet) -> list[str]:
