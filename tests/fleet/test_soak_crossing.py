@@ -104,13 +104,18 @@ SCHEDULES: dict[str, dict[str, Any]] = {
 PER_SECOND = 18 + 1 + 1 / 2 + 1 + 1 / 3 + 1 / 2 + 1 + 1  # `fixed` aside; `reshaped` at 1 s
 REPLICAS = ("s1", "s2", "s3")  # s3 reaches the database through proxies
 NAMESPACE = 4747
+# A shared machine of two cores runs three replicas and two servers here: a claim
+# may wait seconds for the CPU, so the statement timeout (a third of holder_timeout)
+# and the misfire grace are wider than in test_soak.py.
 SETTINGS = {
-    "holder_timeout": 6,
-    "misfire_grace": 5,
+    "holder_timeout": 12,
+    "misfire_grace": 10,
     "shutdown_grace": 5,
     "lock_namespace": NAMESPACE,
 }
-CALM_S = 35  # after the chaos: sweeps record what was missed
+# After the chaos: a tick of `catching` with no row is recorded missed by a sweep
+# (every 30 s) once older than catch_up_window (20 s) and a margin.
+CALM_S = 70
 
 
 class Clock:
@@ -188,6 +193,21 @@ def pair_under(request):
         pair.remove()
 
 
+def direct_wal(pair: Pair) -> None:
+    """The standby streams from the primary itself, not through the test's proxy: every
+    commit waits for it (synchronous), and this process has its own work to do."""
+    assert pair.standby is not None
+    with psycopg.connect(pair.standby.url(), autocommit=True) as conn:
+        conn.execute(
+            f"ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port={pair.primary.port}"
+            " user=postgres application_name=standby'"
+        )
+        conn.execute("SELECT pg_reload_conf()")
+    assert pair.link is not None
+    pair.link.close()  # no way is left through it
+    pair.wait_streaming()
+
+
 def multi_host(ports: list[int], database: str) -> str:
     hosts = ",".join(f"127.0.0.1:{port}" for port in ports)
     return f"postgresql://postgres@{hosts}/{database}?target_session_attrs=read-write"
@@ -196,7 +216,7 @@ def multi_host(ports: list[int], database: str) -> str:
 def test_soak_crossing(tmp_path, pair_under):
     target = int(os.environ.get("SOAK_TICKS", "1500"))
     seed = int(os.environ.get("SOAK_SEED", str(int(time.time()))))
-    seconds = max(60, math.ceil(target / PER_SECOND) + 4)
+    seconds = max(60, math.ceil(target / PER_SECOND * 1.02) + 4)  # `reshaped` starts at 2 s
     lead = min(240.0, 0.3 * seconds)  # the change falls this far into the window
     clock = Clock(CHANGE - timedelta(seconds=lead + 25))  # + the set-up
     rng = random.Random(seed)
@@ -204,6 +224,7 @@ def test_soak_crossing(tmp_path, pair_under):
     tools.chmod(0o755)
     pair = pair_under(clock, tools)
     assert pair.standby is not None
+    direct_wal(pair)
     with psycopg.connect(pair.primary.url(), autocommit=True) as conn:
         conn.execute("CREATE DATABASE soak")
     url = pair.url("soak")
@@ -239,6 +260,7 @@ def test_soak_crossing(tmp_path, pair_under):
     expected = soak.expected()
     report = {"seed": seed, "faked_offset_s": clock.offset, **account(fleet, start, end, expected)}
     report["pause_violations"] = soak.pause_violations(fleet)
+    report["pause_window"] = soak.pause
     report["unexplained_gaps"] += len(report["pause_violations"])
     report["faults"] = dict(soak.faults + rows.faults)
     report["ledger_tables_held"] = dict(rows.table_rows)
@@ -289,7 +311,7 @@ class Crossing:
         self.events: dict[str, str] = {}  # what happened when, by the faked clock
         self.unexpected_exits: list[tuple[str, int | None]] = []
         self.reload: tuple[datetime, datetime] | None = None
-        self.pause: tuple[datetime, datetime] | None = None
+        self.pause: list[datetime] = []  # pausing, paused, resuming, resumed
 
     def start(self, name: str, skew: float = 0.0) -> None:
         env = self.clock.env(skew)
@@ -394,27 +416,27 @@ class Crossing:
         self.faults["reload"] += 1
 
     def pause_job(self) -> None:
+        self.pause = [self.clock.now()]
         done = self.cli("pause", "pausable", "--reason", "soak", "--by", "soak")
         assert done.returncode == 0, done.stdout + done.stderr
-        self.pause = (self.clock.now(), self.clock.now())
+        self.pause.append(self.clock.now())
         self.note("paused")
         self.faults["pause"] += 1
 
     def resume_job(self) -> None:
-        assert self.pause is not None
-        resuming = self.clock.now()
+        self.pause.append(self.clock.now())
         done = self.cli("resume", "pausable", "--by", "soak")
         assert done.returncode == 0, done.stdout + done.stderr
-        self.pause = (self.pause[0], resuming)
+        self.pause.append(self.clock.now())
         self.note("resumed")
         self.faults["resume"] += 1
 
     def partition(self) -> None:
-        """s3 and the database hear nothing from each other for 8-14 s; no reset."""
+        """s3 and the database hear nothing from each other for 14-20 s; no reset."""
         for link in self.links:
             link.cut()
         self.note("partitioned")
-        time.sleep(self.rng.uniform(8, 14))
+        time.sleep(self.rng.uniform(14, 20))
         for link in self.links:
             link.open.set()  # the network is back: connections that outlived it go on
         self.note("partition healed")
@@ -453,21 +475,21 @@ class Crossing:
         return plans
 
     def pause_violations(self, fleet: Fleet) -> list[tuple[str, str]]:
-        """Runs of `pausable` that started while it was paused; `paused` rows outside it."""
-        assert self.pause is not None
-        paused, resumed = self.pause
+        """Runs of `pausable` that started while it was paused (docs/changing.md: within a
+        tick of the pause); `paused` rows of ticks outside the pause."""
+        pausing, paused, resuming, resumed = self.pause
         grace = timedelta(seconds=SETTINGS["misfire_grace"])
         wrong = [
             ("ran while paused", e["tick"])
             for e in fleet.starts()
             if e["job"] == "pausable"
-            and paused + timedelta(seconds=1) < datetime.fromisoformat(e["tick"]) < resumed
+            and paused + timedelta(seconds=1) < datetime.fromisoformat(e["tick"]) < resuming
         ]
         wrong += [
             ("paused outside the pause", r["scheduled_at"].isoformat())
             for r in fleet.ledger("pausable")
             if r["status"] == "paused"
-            and not paused - grace <= r["scheduled_at"] <= resumed + timedelta(seconds=2)
+            and not pausing - grace <= r["scheduled_at"] <= resumed + timedelta(seconds=2)
         ]
         return wrong
 
