@@ -112,6 +112,7 @@ SETTINGS = {
     "misfire_grace": 10,
     "shutdown_grace": 5,
     "lock_namespace": NAMESPACE,
+    "max_workers": 30,  # every job due at once fits one replica's claim
 }
 # After the chaos: a tick of `catching` with no row is recorded missed by a sweep
 # (every 30 s) once older than catch_up_window (20 s) and a margin.
