@@ -11,8 +11,10 @@ faults' choices; SOAK_REPORT names a JSON file to write the figures to.
 
 Three replicas over a primary and its synchronous standby of the test's own
 (tests/fleet/replication.py), every process of them under libfaketime, one
-offset for all: the window crosses the autumn change in Europe/Berlin
-(2026-10-25 01:00Z) about a third of the way in. Besides the faults of
+offset for all (the database's clock judges misfire grace, so it is faked
+too; tests/fleet/faketime_waits.c, compiled here, keeps the server's
+timeouts right under libfaketime): the window crosses the autumn change in
+Europe/Berlin (2026-10-25 01:00Z) up to 4 minutes in. Besides the faults of
 test_soak.py (SIGKILL, SIGSTOP, killed sessions, SIGTERM, a skewed clock, one
 at a time, every 2-5 s, and an outside session holding rows of the ledger,
 now of any of its tables), at set points of the window, one at a time:
@@ -175,7 +177,7 @@ def environment(extra: dict[str, str]):
 
 
 @pytest.fixture
-def pair_under(request):
+def pair_under():
     """A synchronous primary and standby whose clocks read `clock` (`pair_under(clock, folder)`)."""
     made: list[Pair] = []
 
@@ -214,7 +216,7 @@ def multi_host(ports: list[int], database: str) -> str:
     return f"postgresql://postgres@{hosts}/{database}?target_session_attrs=read-write"
 
 
-def test_soak_crossing(tmp_path, pair_under):
+def test_soak_crossing(tmp_path, pair_under, request):
     target = int(os.environ.get("SOAK_TICKS", "1500"))
     seed = int(os.environ.get("SOAK_SEED", str(int(time.time()))))
     seconds = max(60, math.ceil(target / PER_SECOND * 1.02) + 4)  # `reshaped` starts at 2 s
@@ -223,6 +225,7 @@ def test_soak_crossing(tmp_path, pair_under):
     rng = random.Random(seed)
     tools = Path(tempfile.mkdtemp(prefix="scheduler-soak-"))  # the server's user reads it
     tools.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(tools, ignore_errors=True))
     pair = pair_under(clock, tools)
     assert pair.standby is not None
     direct_wal(pair)
