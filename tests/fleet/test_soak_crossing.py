@@ -236,7 +236,7 @@ def test_soak_crossing(tmp_path, pair_under, request):
     fleet = Fleet(tmp_path, url, SCHEDULES, SETTINGS, job_files=["crossing.py"])
     soak = Crossing(fleet, pair, clock, rng, links)
     rows = RowLocks(url, random.Random(seed + 1), KEYS, (631, "catching"), clock.now, True)
-    strays = StraySampler(url, clock)
+    strays = StraySampler(url, soak.impaired_until)
     try:
         for name in REPLICAS:
             soak.start(name)
@@ -270,11 +270,12 @@ def test_soak_crossing(tmp_path, pair_under, request):
     report["ledger_tables_held"] = dict(rows.table_rows)
     report["row_lock_errors"] = rows.errors[:20]
     report["events"] = soak.events
+    report["timeline"] = soak.timeline
     report["lock_sessions_lost"] = sessions_lost(fleet)
     report["locks_given_back"] = log_lines(fleet, "gave back lock(s) of")
     report["stray_locks_released"] = log_lines(fleet, "stray lock(s) released")
     report["stray_locks"] = len(strays.found) + len(final_strays)
-    report["stray_lock_detail"] = sorted(strays.found)[:20] + final_strays[:20]
+    report["stray_lock_detail"] = [*strays.found.items()][:20] + final_strays[:20]
     report["stray_samples"] = strays.samples
     report["deadlocks"] = server_deadlocks(pair)
     report["unexpected_exits"] = soak.unexpected_exits
@@ -315,6 +316,8 @@ class Crossing:
         self.events: dict[str, str] = {}  # what happened when, by the faked clock
         self.unexpected_exits: list[tuple[str, int | None]] = []
         self.reload: tuple[datetime, datetime] | None = None
+        self.impaired: dict[str, float] = {}  # replica -> when its last freeze/partition ended
+        self.timeline: list[tuple[str, str, str]] = []  # (faked time, fault, replica)
         self.pause: list[datetime] = []  # pausing, paused, resuming, resumed
 
     def start(self, name: str, skew: float = 0.0) -> None:
@@ -360,6 +363,10 @@ class Crossing:
             replica.signal(signal.SIGCONT)
         self.check_alive()
 
+    def impaired_until(self, name: str) -> float:
+        """When the replica last stopped being frozen or cut off (monotonic; inf: still is)."""
+        return self.impaired.get(name, 0.0)
+
     def note(self, what: str) -> None:
         self.events[what] = self.clock.now().isoformat()
 
@@ -368,12 +375,15 @@ class Crossing:
         replica = self.fleet.replicas[name]
         fault = self.rng.choice(["kill", "freeze", "sessions", "term", "skew"])
         self.faults[fault] += 1
+        self.timeline.append((self.clock.now().isoformat(), fault, name))
         if fault == "sessions":
             self.kill_sessions()
         elif fault == "freeze":
+            self.impaired[name] = math.inf
             replica.signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(1, 10))
             replica.signal(signal.SIGCONT)
+            self.impaired[name] = time.monotonic()
         elif fault == "kill":
             replica.signal(signal.SIGKILL)
             replica.wait(10)
@@ -437,12 +447,14 @@ class Crossing:
 
     def partition(self) -> None:
         """s3 and the database hear nothing from each other for 14-20 s; no reset."""
+        self.impaired["s3"] = math.inf
         for link in self.links:
             link.cut()
         self.note("partitioned")
         time.sleep(self.rng.uniform(14, 20))
         for link in self.links:
             link.open.set()  # the network is back: connections that outlived it go on
+        self.impaired["s3"] = time.monotonic()
         self.note("partition healed")
         self.faults["partition"] += 1
 
@@ -508,17 +520,19 @@ class StraySampler:
     """Locks held in pg_locks with no running row of their replica, sampled every 2 s.
 
     A claim in flight holds its lock before its row is committed, and a finish
-    commits its row before the lock goes: a lock counts as stray only when it
-    is seen so in every sample over 10 s (beyond any statement's timeout).
+    commits its row before the lock goes; a replica frozen (SIGSTOP) or cut off
+    in between stays so until it can act. So a lock counts as stray when it is
+    seen so for HOLD_S while its replica could act: from the end of the
+    replica's last freeze or partition (and beyond any statement's timeout).
     """
 
-    SPAN = 6  # consecutive samples, 2 s apart
+    HOLD_S = 10.0
 
-    def __init__(self, url: str, clock: Clock) -> None:
+    def __init__(self, url: str, impaired: Callable[[str], float]) -> None:
         self.url = url
-        self.clock = clock
-        self.found: set[tuple[str, int, int]] = set()
-        self.recent: list[set[tuple[str, int, int]]] = []
+        self.impaired = impaired  # replica -> monotonic time its last freeze/partition ended
+        self.found: dict[tuple[str, int, int], str] = {}  # stray -> what its session did
+        self.since: dict[tuple[str, int, int], float] = {}  # seen so, continuously, since
         self.samples = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="stray-locks", daemon=True)
@@ -539,21 +553,38 @@ class StraySampler:
         try:
             now = stray_locks(self.url)
         except psycopg.Error:  # no primary just now
-            self.recent.clear()
+            self.since.clear()
             return set()
+        at = time.monotonic()
         self.samples += 1
-        self.recent = [*self.recent[-(self.SPAN - 1) :], now]
-        if len(self.recent) == self.SPAN:
-            self.found |= set.intersection(*self.recent)
-        return now
+        self.since = {lock: self.since.get(lock, at) for lock in now}
+        for lock, since in self.since.items():
+            if at - max(since, self.impaired(lock[0])) >= self.HOLD_S:
+                self.found.setdefault(lock, session_state(self.url, lock[2]))
+        return set(now)
 
     def persistent_now(self) -> list[tuple[str, int, int]]:
-        """After the calm, with the fleet still up: strays seen over 10 s."""
+        """After the calm, with the fleet still up: strays seen so for HOLD_S."""
+        self.since.clear()
         seen = []
-        for _ in range(self.SPAN):
+        for _ in range(int(self.HOLD_S / 2) + 1):
             seen.append(self.sample())
             time.sleep(2)
         return sorted(set.intersection(*seen))
+
+
+def session_state(url: str, pid: int) -> str:
+    """What a session holding a stray lock was doing (for the report)."""
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=3) as conn:
+            row = conn.execute(
+                "SELECT state, wait_event, now() - state_change, left(query, 80)"
+                " FROM pg_stat_activity WHERE pid = %s",
+                (pid,),
+            ).fetchone()
+    except psycopg.Error as exc:
+        return f"unknown: {exc}"
+    return str(row)
 
 
 def stray_locks(url: str) -> set[tuple[str, int, int]]:
