@@ -6,7 +6,7 @@ Not part of the default run. Run it with
         tests/fleet/test_soak_crossing.py
 
 SOAK_TICKS (default 1500) sets how many ticks the window holds at least (about
-23 ticks a second: 20,000 ticks is about 15 minutes); SOAK_SEED replays the
+23 ticks a second: 20,000 ticks take about 17 minutes in all); SOAK_SEED replays the
 faults' choices; SOAK_REPORT names a JSON file to write the figures to.
 
 Three replicas over a primary and its synchronous standby of the test's own
@@ -519,9 +519,11 @@ def first_two_oclock_every_5s(tick: datetime) -> bool:
 class StraySampler:
     """Locks held in pg_locks with no running row of their replica, sampled every 2 s.
 
-    A claim in flight holds its lock before its row is committed, and a finish
-    commits its row before the lock goes; a replica frozen (SIGSTOP) or cut off
-    in between stays so until it can act. So a lock counts as stray when it is
+    A claim in flight holds its lock before its row is committed (a claim that
+    waits on rows held from outside, fails and is tried again holds it in each
+    try), and a finish commits its row before the lock goes: only a session
+    with nothing in flight counts. A replica frozen (SIGSTOP) or cut off in
+    between stays so until it can act. So a lock counts as stray when it is
     seen so for HOLD_S while its replica could act: from the end of the
     replica's last freeze or partition (and beyond any statement's timeout).
     """
@@ -588,13 +590,15 @@ def session_state(url: str, pid: int) -> str:
 
 
 def stray_locks(url: str) -> set[tuple[str, int, int]]:
-    """(replica, job key, pid) of every job lock held with no running row of that replica."""
+    """(replica, job key, pid) of every job lock held with no running row of that replica,
+    by a session with nothing in flight (idle, no transaction open: no claim under way)."""
     with psycopg.connect(url, autocommit=True, connect_timeout=3) as conn:
         held = conn.execute(
             "SELECT a.application_name, l.objid::integer, l.pid FROM pg_locks l"
             " JOIN pg_stat_activity a ON a.pid = l.pid"
             " WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = %s::oid"
-            " AND l.mode = 'ExclusiveLock' AND l.granted AND l.objid <> 0",
+            " AND l.mode = 'ExclusiveLock' AND l.granted AND l.objid <> 0"
+            " AND a.state = 'idle'",
             (NAMESPACE,),
         ).fetchall()
         running = set(
