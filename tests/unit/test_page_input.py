@@ -10,7 +10,7 @@ from datetime import timedelta
 from urllib.parse import quote
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import inspect, select
 
 from scheduler import ledger, run_now
 from scheduler.http_server import HealthServer, Reply, Request, find_route
@@ -24,9 +24,11 @@ HERE = {"host": "h:8080", "origin": "http://h:8080", "sec-fetch-site": "same-ori
 def dump(page: Page) -> dict[str, list[str]]:
     """Every row of every ledger table: what a GET must leave exactly as it was."""
     with page.backend.ledger_engine.connect() as conn:
+        present = set(inspect(conn).get_table_names())  # each backend makes the tables it uses
         return {
             table.name: sorted(repr(tuple(r)) for r in conn.execute(select(table)))
             for table in ledger.metadata.sorted_tables
+            if table.name in present
         }
 
 
