@@ -88,6 +88,11 @@ class Failover:
         """Seconds from the primary's death to the first run claimed on the new primary."""
         return self.resumed_at - self.failed_at
 
+    def lost(self, tick: datetime) -> bool:
+        """Whether a claim of `tick` may have been lost with the WAL held back."""
+        lost_from = self.held_at or self.failed_at
+        return lost_from - 1 < tick.timestamp() < self.failed_at
+
     def runs(self, job: str) -> list[dict[str, Any]]:
         return _runs(self.fleet, job)
 
@@ -121,10 +126,12 @@ def fail_over_under_a_fleet(tmp_path, pair: Pair, hold_wal_s: float = 0) -> Fail
             held_at = time.time()
             time.sleep(hold_wal_s)
         lag = pair.replay_lag()
+        # A long run that began moments ago, so it is still going when the primary dies
+        # even if stopping the primary is slow on a loaded machine.
+        long_run = _fresh_run(fleet, "long_run")
         # The primary dies right after a claim: the worst moment for the last commits.
         seen = len(_runs(fleet, "every_second"))
         wait_for(lambda: len(_runs(fleet, "every_second")) > seen, 10, "a fresh claim", 0.005)
-        long_run = _in_flight(fleet, "long_run")  # the first may have ended on a slow machine
         failed_at = time.time()
         pair.fail_over(detection_s=SWITCH_S)
         promoted_at = time.time()
@@ -144,6 +151,15 @@ def fail_over_under_a_fleet(tmp_path, pair: Pair, hold_wal_s: float = 0) -> Fail
         told = wait_for(lambda: _end_of(fleet, long_run), 30, "the long run's late finish")
         assert told["lock_lost"], f"the long run was not told its lock is lost\n{fleet.logs()}"
         time.sleep(2)  # ticks claimed on the new primary, in the steady state
+        # `catch_up: all` claims the ticks of the switch one at a time, each after the
+        # run before it: on a loaded machine that outlasts the steady state above.
+        until = datetime.fromtimestamp(resumed[0]["at"], UTC)
+        wait_for(
+            lambda: not _without_row(fleet, "each_second", until),
+            90,
+            f"catch-up to give each_second's ticks up to {until:%H:%M:%S} a row",
+            0.5,
+        )
         assert {n: r.pid for n, r in fleet.replicas.items()} == pids
         assert all(r.process.poll() is None for r in fleet.replicas.values()), fleet.logs()
         codes = fleet.stop()
@@ -160,10 +176,20 @@ def _runs(fleet: Fleet, job: str) -> list[dict[str, Any]]:
     return [e for e in fleet.starts() if e["job"] == job]
 
 
-def _in_flight(fleet: Fleet, job: str) -> dict[str, Any]:
-    """The newest run of `job` that has not ended (the 6 s job runs back to back)."""
+def _fresh_run(fleet: Fleet, job: str, within_s: float = 1.0) -> dict[str, Any]:
+    """A run of `job` that started less than `within_s` ago and has not ended.
+
+    The 6 s job runs back to back, so one starts every six to eight seconds.
+    """
     runs = wait_for(
-        lambda: [s for s in _runs(fleet, job) if _end_of(fleet, s) is None], 15, f"a {job} run"
+        lambda: [
+            s
+            for s in _runs(fleet, job)
+            if time.time() - s["at"] < within_s and _end_of(fleet, s) is None
+        ],
+        30,
+        f"a {job} run that has just started",
+        0.05,
     )
     return max(runs, key=lambda s: s["at"])
 
@@ -171,6 +197,12 @@ def _in_flight(fleet: Fleet, job: str) -> dict[str, Any]:
 def _end_of(fleet: Fleet, start: dict[str, Any]) -> dict[str, Any] | None:
     ends = [e for e in fleet.ends() if e["run_id"] == start["run_id"]]
     return ends[0] if ends else None
+
+
+def _without_row(fleet: Fleet, job: str, until: datetime) -> list[datetime]:
+    """The ticks of `job` from its first row to `until` that have no row yet."""
+    have = {r["scheduled_at"] for r in fleet.ledger(job)}
+    return [t for t in whole_seconds(min(have), until) if t not in have] if have else [until]
 
 
 def _sessions_on(url: str) -> set[str]:
@@ -182,7 +214,12 @@ def _sessions_on(url: str) -> set[str]:
 def assert_ledger_explains_every_tick(
     failover: Failover, job: str, ran_twice_allowed: bool
 ) -> None:
-    """Each tick of the window has its row on the new primary, and the row says what ran."""
+    """Each tick of the window has its row on the new primary, and the row says what ran.
+
+    With asynchronous replication (`ran_twice_allowed`) a run claimed in the WAL the
+    standby never got is unknown to the new primary: a catch-up beyond its limit records
+    the tick `missed` although it ran (docs/faults.md: Failover).
+    """
     rows = {r["scheduled_at"]: r for r in failover.ledger if r["job_name"] == job}
     runs: dict[datetime, list[int]] = {}
     for e in failover.runs(job):
@@ -193,7 +230,8 @@ def assert_ledger_explains_every_tick(
         assert row is not None, f"{tick}: no row on the new primary\n{logs}"
         ran = runs.get(tick, [])
         if row["status"] in ("missed", "skipped", "paused"):
-            assert not ran, f"{tick}: recorded {row['status']} but ran {ran}\n{logs}"
+            forgotten = row["status"] == "missed" and ran_twice_allowed and failover.lost(tick)
+            assert not ran or forgotten, f"{tick}: recorded {row['status']} but ran {ran}\n{logs}"
         elif row["status"] == "succeeded":
             assert row["run_id"] in ran, f"{tick}: run {row['run_id']} recorded, ran {ran}"
             assert ran_twice_allowed or len(ran) == 1, f"{tick}: ran {ran}\n{logs}"
