@@ -31,10 +31,10 @@ from fleet import SERVER, Server
 
 from scheduler import ledger
 from scheduler.backends import open_backend
-from scheduler.catalog import load_catalog, schedule_text
-from scheduler.config import load_config
-from scheduler.http_server import HealthServer, Request, find_route
+from scheduler.config.settings import load_config
+from scheduler.registry.catalog import load_catalog, schedule_text
 from scheduler.web.routes import Page
+from scheduler.web.server import HealthServer, Request, find_route
 
 STATUSES = ["succeeded"] * 95 + ["failed"] * 3 + ["skipped", "missed"]
 

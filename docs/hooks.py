@@ -1,8 +1,8 @@
 """The references generated from the code, and the MkDocs hooks that keep the site true.
 
-The settings table comes from the settings model (`scheduler.config.Settings`:
+The settings table comes from the settings model (`scheduler.config.settings.Settings`:
 each field's name, environment variable, default and description) and the
-command line reference from the argument parser (`scheduler.cli`), so neither
+command line reference from the argument parser (`scheduler.cli.commands`), so neither
 can drift from the code. Each lives in its page between
 `<!-- generated: NAME -->` and `<!-- end generated -->`, committed, so the pages
 read the same on GitHub as on the site:
@@ -92,7 +92,7 @@ def settings_flags() -> dict[str, str]:
 
 
 def settings_table() -> str:
-    from scheduler.config import Settings
+    from scheduler.config.settings import Settings
 
     flags = settings_flags()
     lines = [
@@ -105,7 +105,7 @@ def settings_table() -> str:
         if name in flags:
             where += f", `{flags[name]}`"
         if not field.description:
-            raise ValueError(f"scheduler/config.py: Settings.{name} has no description")
+            raise ValueError(f"scheduler/config/settings.py: Settings.{name} has no description")
         lines.append(
             f"| {shown} | {where} | {cell(shown_default(field))} | {cell(field.description)} |"
         )
@@ -116,7 +116,7 @@ def settings_table() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from scheduler import cli
+    from scheduler.cli import commands as cli
 
     return cli._parser()
 

@@ -3,9 +3,9 @@
 Users write jobs with :func:`job` and receive a :class:`RunContext`.
 """
 
-from scheduler.context import Interrupted, RunContext
 from scheduler.errors import ConfigError, SchedulerError
-from scheduler.registry import job
+from scheduler.registry.context import Interrupted, RunContext
+from scheduler.registry.jobs import job
 
 __all__ = ["ConfigError", "Interrupted", "RunContext", "SchedulerError", "job"]
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ APScheduler 3 computes the ticks (its executor receives the scheduled run
 times); our executor hands them to the gate instead of running them, so no
 tick ever runs without passing the gate. Signals: the first SIGTERM/SIGINT
 stops new runs, waits up to `shutdown_grace` and releases every lock; a
-second one exits at once. SIGHUP reloads config.yaml (see `scheduler.reload`).
+second one exits at once. SIGHUP reloads config.yaml (see `scheduler.fleet.reload`).
 """
 
 from __future__ import annotations
@@ -24,22 +24,23 @@ from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import catch_up, events
 from scheduler.backends import Backend, open_backend
 from scheduler.backends.base import Unavailable
-from scheduler.catalog import Catalog, CatalogJob
-from scheduler.catch_up import CatchUp
-from scheduler.config import Config
-from scheduler.due import first_from
+from scheduler.config.settings import Config
 from scheduler.errors import ConfigError, one_line
+from scheduler.fleet import catch_up
+from scheduler.fleet.catch_up import CatchUp
+from scheduler.fleet.due import first_from
+from scheduler.fleet.housekeeping import Housekeeping, NameInUse
+from scheduler.fleet.reload import FileWatch, PendingReload, Unsettled, reread
+from scheduler.fleet.run_now import Desk
 from scheduler.gate import Backoff, Gate
-from scheduler.housekeeping import Housekeeping, NameInUse
 from scheduler.logs import stop_logging
-from scheduler.notices import Notices
-from scheduler.pings import Pings
-from scheduler.reload import FileWatch, PendingReload, Unsettled, reread
-from scheduler.run_now import Desk
-from scheduler.runlog import RunLog
+from scheduler.observers import events
+from scheduler.observers.notices import Notices
+from scheduler.observers.pings import Pings
+from scheduler.observers.runlog import RunLog
+from scheduler.registry.catalog import Catalog, CatalogJob
 
 log = logging.getLogger("scheduler.daemon")
 
@@ -134,7 +135,7 @@ def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> N
 
     A changed one starts at its first tick from `since`, the instant it came in
     force (`Housekeeping.reregister`): the ticks before were the old schedule's,
-    which fired them (`scheduler.due`); a tick both fired has one row in the
+    which fired them (`scheduler.fleet.due`); a tick both fired has one row in the
     ledger (its primary key), so it runs once. Ticks already handed to the gate
     run under the settings they were claimed with.
     """
@@ -182,7 +183,7 @@ class Daemon:
         # Metrics exist to be scraped: without an HTTP port, none are kept.
         self.metrics = None
         if self.settings.http_port:
-            from scheduler.metrics import Metrics
+            from scheduler.observers.metrics import Metrics
 
             self.metrics = Metrics([job.name for job in catalog])
         webhook = self.settings.alert_webhook_url
@@ -224,7 +225,7 @@ class Daemon:
         self.scheduler = build_scheduler(catalog, self.gate)
         self.http = None
         if self.settings.http_port:
-            from scheduler.http_server import HealthServer
+            from scheduler.web.server import HealthServer
 
             assert self.metrics is not None
             self.http = HealthServer(

@@ -14,7 +14,7 @@ _OPTION_PASSWORD = re.compile(r"((?:ssl)?password=)(?:'[^']*'|[^\s&'\"]+)", re.I
 class SchedulerError(Exception):
     """An error the scheduler tells its user in one line, without a traceback.
 
-    The command line exits 2 on any of them (`scheduler.cli`).
+    The command line exits 2 on any of them (`scheduler.cli.commands`).
     """
 
 

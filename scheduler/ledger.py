@@ -134,7 +134,7 @@ jobs = Table(
     Column("tracked_since", UTCDateTime(), nullable=False),
     # Skipped ticks since the job last kept up (a run that ended before its next tick).
     Column("overrun_skips", Integer, nullable=False, server_default="0"),
-    # Since when its live replicas run different schedules (see scheduler.agreement).
+    # Since when its live replicas run different schedules (see scheduler.fleet.agreement).
     Column("drift_since", UTCDateTime()),
     Column("drift_alerted", Boolean, nullable=False, server_default=false()),
 )
@@ -144,7 +144,7 @@ jobs = Table(
 # the replica changes the job's schedule (a reload, a restart with another config), or
 # when a replica that is gone is superseded by one with another schedule). The rows a
 # change ends are kept (until `retention_days`): which ticks were due is judged by the
-# schedules in force at each tick (scheduler.due), never by today's.
+# schedules in force at each tick (scheduler.fleet.due), never by today's.
 registrations = Table(
     "scheduler_registrations",
     metadata,
@@ -207,7 +207,7 @@ pauses = Table(
 
 # Run-now requests (`scheduler trigger` without --here): a command asks, a live replica
 # that runs the job takes the request and runs it through the gate as a manual tick,
-# then writes its outcome here, where the command reads it (see scheduler.run_now).
+# then writes its outcome here, where the command reads it (see scheduler.fleet.run_now).
 run_requests = Table(
     "scheduler_requests",
     metadata,
@@ -624,7 +624,7 @@ def set_drift(conn: Connection, key: int, since: datetime | None, alerted: bool)
 
 
 def paused_since(conn: Connection) -> dict[int, datetime]:
-    """The jobs paused now, and since when (see `scheduler.pauses`)."""
+    """The jobs paused now, and since when (see `scheduler.fleet.pauses`)."""
     return {
         r.job_key: r.paused_at for r in conn.execute(select(pauses.c.job_key, pauses.c.paused_at))
     }
@@ -802,7 +802,7 @@ def register(
     began is taken over from then (the gone replica's row goes: the table stays
     about one open row per live replica and job). A schedule this replica ran and
     runs no more (a reload, a restart with another config.yaml) ends now, and its
-    row stays: the ticks from before the change are judged by it (scheduler.due).
+    row stays: the ticks from before the change are judged by it (scheduler.fleet.due).
     """
     found = registrations_of(conn)
     heirs: dict[tuple[int, str | None], datetime] = {}
@@ -947,7 +947,7 @@ def prune_registrations(conn: Connection, older_than: datetime) -> int:
     )
 
 
-# -- run-now requests (scheduler.run_now) --------------------------------------------
+# -- run-now requests (scheduler.fleet.run_now) --------------------------------------------
 
 RUN_NOW_TAKE_AT_ONCE = 10  # requests one replica takes per look
 

@@ -2,7 +2,7 @@
 
 Records are formatted and written by one writer thread, many per write; a
 line can also be queued as a function that builds it there (`defer`), off
-the thread that has something to say (`scheduler.runlog` does, for runs).
+the thread that has something to say (`scheduler.observers.runlog` does, for runs).
 """
 
 from __future__ import annotations

@@ -477,9 +477,9 @@ class FakeMonotonic:
 
 def make_job(key: int, func, name: str | None = None, skip_alert_after: int = 3):
     """A catalog job on a 1 s grid, for tests that drive the gate or the backends."""
-    from scheduler.catalog import CatalogJob
-    from scheduler.config import JobConfig
-    from scheduler.registry import JobSpec
+    from scheduler.config.settings import JobConfig
+    from scheduler.registry.catalog import CatalogJob
+    from scheduler.registry.jobs import JobSpec
 
     schedule = JobConfig(interval="1s", skip_alert_after=skip_alert_after)
     spec = JobSpec(

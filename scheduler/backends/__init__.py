@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scheduler.backends.base import Backend
-from scheduler.config import Settings
+from scheduler.config.settings import Settings
 
 EMBEDDED_FILE = "scheduler.db"
 

@@ -64,7 +64,9 @@ class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at on
     consecutive_skips: int | None = None
     alert: bool = False  # this skip made the streak reach its threshold
     crashed: int = 0  # stale `running` rows this claim marked crashed
-    notices: tuple[int, ...] = ()  # outbox notices this claim raised (see `scheduler.notices`)
+    notices: tuple[
+        int, ...
+    ] = ()  # outbox notices this claim raised (see `scheduler.observers.notices`)
     attempt: int = 1  # a retry (job `retries`): 2 for the first retry, and so on
 
 
@@ -195,7 +197,7 @@ class LockStore(Protocol):
         """Whether a run-now request may be waiting (cheap: no round trip on PostgreSQL)."""
 
     def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
-        """Take waiting run-now requests for these jobs (scheduler.run_now). SessionLost."""
+        """Take waiting run-now requests for these jobs (scheduler.fleet.run_now). SessionLost."""
 
 
 class LedgerStore(Protocol):

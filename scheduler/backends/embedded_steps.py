@@ -529,7 +529,7 @@ class Steps:
         )
 
     def _notice(self, event: str, r: ClaimRequest, **facts: Any) -> int:
-        """Write a notice to the outbox, leased to this replica (see `scheduler.notices`)."""
+        """Write a notice to the outbox, leased to this replica (`scheduler.observers.notices`)."""
         return ledger.add_notice(
             self.conn,
             event,

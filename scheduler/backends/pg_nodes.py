@@ -17,7 +17,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from scheduler.backends.pg_session import NotPrimary, refuse_standby
-from scheduler.urls import libpq_url
+from scheduler.config.urls import libpq_url
 
 _PER_HOST = ("host", "hostaddr", "port")  # libpq's comma-separated lists, one item a host
 SYNCHRONOUS = ("on", "remote_apply", "remote_write")

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from scheduler.urls import libpq_url, parse_database_url
+from scheduler.config.urls import libpq_url, parse_database_url
 
 POOLER_MESSAGE = (
     "the database connection does not keep one server session across transactions: "

@@ -54,13 +54,13 @@ from scheduler.backends.pg_session import (
 )
 from scheduler.backends.queries import QUERIES
 from scheduler.backends.schema import migrate
-from scheduler.errors import ConfigError, PoolerError, one_line
-from scheduler.statuses import CRASHED_LOST_LOCK
-from scheduler.urls import (
+from scheduler.config.urls import (
     database_url_secrets,
     redact_database_url,
     scrub,
 )
+from scheduler.errors import ConfigError, PoolerError, one_line
+from scheduler.statuses import CRASHED_LOST_LOCK
 
 log = logging.getLogger("scheduler.postgres")
 

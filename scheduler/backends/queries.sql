@@ -38,7 +38,7 @@ SELECT key, failures, notice FROM scheduler_count_crashes(:instance, CAST(:keys 
     CAST(:thresholds AS integer[]))
 
 -- name: heartbeat
--- The lock session proves it is alive, and looks for run-now requests (scheduler/run_now.py),
+-- The lock session proves it is alive, and looks for run-now requests (scheduler/fleet/run_now.py),
 -- for the next retry of a job that is not paused (seconds from now), and whether its node
 -- still is a writable primary (a fenced old primary is not).
 SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL),

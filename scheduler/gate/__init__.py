@@ -16,7 +16,7 @@ backend, does each step in order (`Gate.step`):
   with no run here is given back (`Gate._give_back`; `release_strays`), as
   after any failed call that may have taken locks.
 
-Runs execute on worker threads (`runs.py`, `scheduler.workers`). The backends
+Runs execute on worker threads (`runs.py`, `scheduler.gate.workers`). The backends
 implement the steps under the names used here (PostgreSQL:
 `backends/postgres.sql`; one host: `backends/embedded.py`). Time is passed in
 (`clock`, `monotonic`), so this logic can be driven in tests without sleeping.
@@ -37,21 +37,21 @@ from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
-from scheduler import events
 from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
-from scheduler.catalog import CatalogJob
+from scheduler.config.schedules import format_duration
 from scheduler.errors import one_line
 from scheduler.gate.claims import Claims, Won, claim_request
 from scheduler.gate.finishes import Finishes
 from scheduler.gate.retries import RetryLook
+from scheduler.gate.runner import execute
 from scheduler.gate.runs import ManualResult, Run, prepare
 from scheduler.gate.session import Backoff, LockSession
 from scheduler.gate.ticks import Running, TickQueue
+from scheduler.gate.workers import Workers
 from scheduler.ledger import RunRequest
-from scheduler.runner import execute
-from scheduler.schedules import format_duration
+from scheduler.observers import events
+from scheduler.registry.catalog import CatalogJob
 from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
-from scheduler.workers import Workers
 
 log = logging.getLogger("scheduler.gate")
 
@@ -592,7 +592,7 @@ class Gate:
 
 
 class Pool(Protocol):
-    """Where runs execute (scheduler.workers.Workers; a test may run them when it chooses)."""
+    """Where runs execute (scheduler.gate.workers.Workers; a test may run them when it chooses)."""
 
     def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None: ...
 
@@ -602,7 +602,7 @@ class Pool(Protocol):
 
 
 class RequestDesk(Protocol):
-    """Run-now requests (scheduler.run_now.Desk): the jobs this replica may take, and
+    """Run-now requests (scheduler.fleet.run_now.Desk): the jobs this replica may take, and
     where an outcome goes (written on the ledger session, from the thread that ends it)."""
 
     def keys(self) -> list[int]: ...

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import datetime
 
-from scheduler import events
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
@@ -25,11 +24,12 @@ from scheduler.backends.base import (
     Outcome,
     SessionLost,
 )
-from scheduler.catalog import CatalogJob
 from scheduler.errors import one_line
 from scheduler.gate.runs import ManualResult
 from scheduler.gate.session import LockSession
 from scheduler.gate.ticks import Batch, Running, TickQueue
+from scheduler.observers import events
+from scheduler.registry.catalog import CatalogJob
 
 log = logging.getLogger("scheduler.gate")
 

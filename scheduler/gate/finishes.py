@@ -14,12 +14,12 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 
-from scheduler import events
 from scheduler.backends.base import FinishRequest, FinishResult, LockStore, Outcome, SessionLost
+from scheduler.config.schedules import tick_after
 from scheduler.errors import one_line
 from scheduler.gate.runs import Ending, ManualResult, Run
 from scheduler.gate.session import LockSession
-from scheduler.schedules import tick_after
+from scheduler.observers import events
 from scheduler.statuses import Status
 from scheduler.text import storable
 

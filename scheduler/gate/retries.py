@@ -16,9 +16,9 @@ from datetime import datetime
 from typing import Protocol
 
 from scheduler.backends.base import ClaimResult, LockStore, Retries
-from scheduler.catalog import CatalogJob
+from scheduler.config.schedules import tick_after
 from scheduler.gate.session import LockSession
-from scheduler.schedules import tick_after
+from scheduler.registry.catalog import CatalogJob
 from scheduler.statuses import CRASHED_LOST_LOCK
 
 log = logging.getLogger("scheduler.gate")

@@ -9,11 +9,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
 
-from scheduler import events
 from scheduler.backends.base import ClaimResult, Outcome
-from scheduler.catalog import CatalogJob
-from scheduler.context import RunContext
 from scheduler.gate.session import Generation
+from scheduler.observers import events
+from scheduler.registry.catalog import CatalogJob
+from scheduler.registry.context import RunContext
 from scheduler.statuses import Status, Told
 
 

@@ -19,7 +19,7 @@ from datetime import datetime
 from enum import Enum
 
 from scheduler.backends.base import Intent
-from scheduler.catalog import CatalogJob
+from scheduler.registry.catalog import CatalogJob
 
 MAX_BACKLOG = 100  # ticks of one job kept while it runs here; older ones are left to the sweep
 RETRY_FIRST, RETRY_CAP = 1.0, 30.0  # seconds before a failed claim is tried again, doubling

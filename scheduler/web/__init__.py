@@ -8,11 +8,11 @@ through the modules the command line uses. Modules:
 
 - `routes`: the HTTP side (every route answers; login, actions)
 - `reading`: the GET routes, which see the ledger read-only
-- `query`: every query parameter and its parser (`scheduler.parsing`)
+- `query`: every query parameter and its parser (`scheduler.config.parsing`)
 - `render`: HTML, JSON and one-line answers, and their headers
 - `auth`: the token, the session cookie, CSRF and origin checks
 - `throttle`: how many wrong tokens a client may send
-- `views`: what each page shows, from `scheduler.status`
+- `views`: what each page shows, from `scheduler.fleet.status`
 - `window`: the timeline's bounded reads of the ledger
 - `timeline`, `plot`: SVG drawn on the server (pure functions)
 - `words`: a schedule in words and as written
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.backends import Backend
-    from scheduler.catalog import Catalog
-    from scheduler.config import Settings
-    from scheduler.http_server import HealthServer
+    from scheduler.config.settings import Settings
+    from scheduler.registry.catalog import Catalog
+    from scheduler.web.server import HealthServer
 
 
 def mount(

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from scheduler.parsing import Refused, whole
+from scheduler.config.parsing import Refused, whole
 
 COOKIE = "scheduler_session"
 SESSION_S = 12 * 3600  # a login lasts this long

@@ -1,4 +1,4 @@
-"""Every query parameter the page reads, and the parser of each (`scheduler.parsing`).
+"""Every query parameter the page reads, and the parser of each (`scheduler.config.parsing`).
 
 One table for all routes: a parameter present is parsed whatever the route, and a
 malformed one refuses the request (`parsing.Refused`: 400 and one line); a
@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
-from scheduler import parsing
-from scheduler.http_server import Request
+from scheduler.config import parsing
+from scheduler.web.server import Request
 from scheduler.web.views import DONE, SORTS, WINDOWS
 
 MAX_FIELDS = 20

@@ -21,15 +21,15 @@ from urllib.parse import quote, unquote
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from scheduler import run_now
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog, CatalogJob
-from scheduler.config import Settings
-from scheduler.http_server import Reply, Request, Route
+from scheduler.config.settings import Settings
+from scheduler.fleet import run_now
+from scheduler.fleet.status import fleet_status, history
 from scheduler.ledger import TickFilter
-from scheduler.status import fleet_status, history
+from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.web import query, views
 from scheduler.web.render import JSON, SECURITY, Render, redirect, text
+from scheduler.web.server import Reply, Request, Route
 
 STATIC = {"page.css": "text/css; charset=utf-8", "page.js": "text/javascript; charset=utf-8"}
 # What SQLite may do inside a reading transaction: read, call functions, begin and end.

@@ -9,9 +9,9 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from scheduler.http_server import Reply, Request
 from scheduler.web import query
 from scheduler.web.auth import Guard, Session
+from scheduler.web.server import Reply, Request
 
 HTML = "text/html; charset=utf-8"
 JSON = "application/json"

@@ -4,12 +4,12 @@ Reading: `/`, `/jobs/NAME`, `/api/status`, `/api/jobs/NAME/history` (open,
 or behind the token with `http_protect: all`), served by `scheduler.web.reading`,
 which cannot write. Acting: POST `/jobs/NAME/pause`, `/resume` and `/run`,
 through the same modules as `scheduler pause`, `resume` and `trigger`
-(`scheduler.pauses`, `scheduler.run_now`); a run-now request is handed to the
+(`scheduler.fleet.pauses`, `scheduler.fleet.run_now`); a run-now request is handed to the
 fleet, and withdrawn after the patience of `trigger` if no replica took it.
 Each answer is rendered by one replica from the shared ledger, so every
 replica shows the same fleet.
 
-Every route answers: a malformed value is 400 and one line (`scheduler.parsing`),
+Every route answers: a malformed value is 400 and one line (`scheduler.config.parsing`),
 a ledger that does not answer 503, and anything unforeseen 500 with one log
 line. A client that sends wrong tokens is slowed down (`scheduler.web.throttle`).
 """
@@ -26,18 +26,19 @@ from urllib.parse import quote
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import ledger, pauses, run_now
+from scheduler import ledger
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog, CatalogJob
-from scheduler.config import Settings
+from scheduler.config.parsing import Refused, local_path
+from scheduler.config.settings import Settings
 from scheduler.errors import LedgerError, SchedulerError, one_line
-from scheduler.http_server import Reply, Request, Route
-from scheduler.parsing import Refused, local_path
+from scheduler.fleet import pauses, run_now
+from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.text import printable
 from scheduler.web import query
 from scheduler.web.auth import Guard, cross_site
 from scheduler.web.reading import Reading
 from scheduler.web.render import Render, redirect, text
+from scheduler.web.server import Reply, Request, Route
 from scheduler.web.throttle import Throttle
 
 log = logging.getLogger("scheduler.http")

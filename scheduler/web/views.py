@@ -1,6 +1,6 @@
 """What each page shows, as plain data for its template; `now` is passed in.
 
-The fleet and the jobs come from `scheduler.status` (the documents of
+The fleet and the jobs come from `scheduler.fleet.status` (the documents of
 `status --json` and `history --json`), so the page, the API and the command
 line never disagree; the timeline reads its window through
 `scheduler.web.window`. Nothing here writes.
@@ -14,11 +14,12 @@ from typing import Any
 
 from sqlalchemy import desc, select
 
-from scheduler import alerts, ledger
+from scheduler import ledger
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog, CatalogJob
+from scheduler.fleet.status import fleet_status, history, next_ticks
 from scheduler.ledger import TickFilter
-from scheduler.status import fleet_status, history, next_ticks
+from scheduler.observers import alerts
+from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.statuses import FINISHED, Status
 from scheduler.web import plot, timeline, window, words
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from scheduler.catalog import CatalogJob
-from scheduler.schedules import format_duration
+from scheduler.config.schedules import format_duration
+from scheduler.registry.catalog import CatalogJob
 
 UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
 DAYS = {"*": "every day", "1-5": "on weekdays", "0,6": "on weekends", "6,0": "on weekends"}

@@ -26,9 +26,9 @@ import pytest
 
 from scheduler import ledger
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.catalog import Catalog
-from scheduler.config import Settings
-from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.config.settings import Settings
+from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.registry.catalog import Catalog
 from tests import clusters
 from tests.fleet.replication import Pair
 from tests.support import Fleet, cli, free_port, make_job, parse_tick, wait_for, whole_seconds

@@ -11,7 +11,7 @@ import time
 import psycopg
 import pytest
 
-from scheduler.budgets import ATTEMPT_DEADLINE
+from scheduler.config.budgets import ATTEMPT_DEADLINE
 from tests.support import Fleet, RawReceiver, free_port, wait_for
 
 pytestmark = pytest.mark.fleet

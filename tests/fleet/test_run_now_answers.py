@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 
-from scheduler import run_now
+from scheduler.fleet import run_now
 from tests.support import Fleet, Proxy, cli, host_port, wait_for
 
 pytestmark = pytest.mark.fleet

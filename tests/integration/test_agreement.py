@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 
 from scheduler import ledger
-from scheduler.catalog import Catalog
-from scheduler.config import JobConfig, Settings
-from scheduler.housekeeping import Housekeeping
-from scheduler.status import fleet_status, schedule_checks
+from scheduler.config.settings import JobConfig, Settings
+from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.fleet.status import fleet_status, schedule_checks
+from scheduler.registry.catalog import Catalog
 from tests.support import make_job
 
 KEY = 88

@@ -116,9 +116,9 @@ def test_runs_the_sweep_finds_crashed_count_as_failures(backends):
     """The sweep is one more path that records `crashed`: its runs count too."""
     from datetime import UTC, datetime
 
-    from scheduler.catalog import Catalog
-    from scheduler.config import Settings
-    from scheduler.housekeeping import Housekeeping
+    from scheduler.config.settings import Settings
+    from scheduler.fleet.housekeeping import Housekeeping
+    from scheduler.registry.catalog import Catalog
     from tests.support import make_job
 
     a, b = backends("a"), backends("b")

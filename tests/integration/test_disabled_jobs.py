@@ -14,10 +14,11 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import update
 
-from scheduler import events, ledger
+from scheduler import ledger
 from scheduler.backends.base import Outcome
-from scheduler.config import JobConfig
+from scheduler.config.settings import JobConfig
 from scheduler.gate import Gate
+from scheduler.observers import events
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
 
 

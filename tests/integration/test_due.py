@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy import inspect
 
 from scheduler import ledger
-from scheduler.catalog import Catalog, CatalogJob, schedule_text
-from scheduler.catch_up import CatchUp, submit_latest
-from scheduler.config import JobConfig, Settings
-from scheduler.housekeeping import Housekeeping
+from scheduler.config.settings import JobConfig, Settings
+from scheduler.fleet.catch_up import CatchUp, submit_latest
+from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.registry.catalog import Catalog, CatalogJob, schedule_text
 from tests.support import make_job
 
 KEY, NAME = 671, "judged"
@@ -204,7 +204,7 @@ def test_a_version_6_ledger_keeps_its_registrations_and_gains_their_history(back
 def test_replicas_starting_together_with_one_schedule_each_keep_it_registered(backends):
     """Each registers while the others are not live yet, so each takes the others' rows
     over as a gone replica's; its first housekeeping pass puts its own back."""
-    from scheduler.status import fleet_status
+    from scheduler.fleet.status import fleet_status
 
     job = every(5)
     replicas = [backends(name, connect=False) for name in ("p1", "p2", "p3")]

@@ -10,8 +10,8 @@ import threading
 
 import psycopg
 
-from scheduler import events
 from scheduler.backends.base import Outcome
+from scheduler.observers import events
 from tests.support import make_job, now_tick, settle
 
 

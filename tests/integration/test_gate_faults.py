@@ -13,12 +13,13 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from scheduler import events, ledger
+from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.gate import Gate
 from scheduler.gate.session import LockSession
+from scheduler.observers import events
 from tests.support import (
     FakeMonotonic,
     Proxy,

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler import ledger
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.cli import main
+from scheduler.cli.commands import main
 
 JOBS = """
 from scheduler import job

@@ -11,9 +11,9 @@ import pytest
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.catalog import Catalog, schedule_text
-from scheduler.config import Settings
-from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.config.settings import Settings
+from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.registry.catalog import Catalog, schedule_text
 from tests.support import make_job, wait_for
 
 NAMESPACE = 4242  # as the `backends` fixture
@@ -208,7 +208,7 @@ def job_every(key: int, seconds: int, name: str):
     """A catalog job on a grid of `seconds` (make_job's jobs tick every second)."""
     from dataclasses import replace
 
-    from scheduler.config import JobConfig
+    from scheduler.config.settings import JobConfig
 
     base = make_job(key, lambda ctx: None, name=name)
     return replace(base, schedule=JobConfig(interval=f"{seconds}s"))

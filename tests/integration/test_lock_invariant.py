@@ -21,12 +21,13 @@ import psycopg
 import pytest
 from sqlalchemy import update
 
-from scheduler import events, ledger
+from scheduler import ledger
 from scheduler.backends.base import Intent
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.embedded_steps import Steps
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.gate import Gate
+from scheduler.observers import events
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
 
 NAMESPACE = 4545

@@ -17,9 +17,9 @@ import pytest
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.catalog import Catalog
-from scheduler.config import Settings
-from scheduler.housekeeping import Housekeeping
+from scheduler.config.settings import Settings
+from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.registry.catalog import Catalog
 from tests.support import make_job, wait_for
 
 NAMESPACE = 4545

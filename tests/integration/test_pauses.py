@@ -6,12 +6,13 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
-from scheduler import ledger, pauses
+from scheduler import ledger
 from scheduler.backends.base import Intent, Outcome
-from scheduler.catalog import Catalog, schedule_text
-from scheduler.config import Settings
-from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
-from scheduler.status import fleet_status
+from scheduler.config.settings import Settings
+from scheduler.fleet import pauses
+from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.fleet.status import fleet_status
+from scheduler.registry.catalog import Catalog, schedule_text
 from tests.integration.test_gate_protocol import KEY, claim, finish, rows, tick
 from tests.support import make_job
 
@@ -114,7 +115,7 @@ def test_the_sweep_records_ticks_of_a_paused_job_paused_and_earlier_ones_missed(
     keeper = Housekeeping(backend, Catalog((job,)), Settings(instance_name="hk"))
     now = datetime.now(UTC).replace(microsecond=0)
     ledger.track_jobs(backend.ledger_engine, [(KEY, "job", "every 1s")], now - timedelta(minutes=5))
-    with backend.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.due)
+    with backend.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.fleet.due)
         ledger.register(
             conn, "h", [(KEY, "job", schedule_text(job))], set(), now - timedelta(minutes=5)
         )

@@ -147,7 +147,7 @@ def test_only_jobs_asked_for_and_one_attempt_per_job_per_look(backends):
 
 def test_a_paused_jobs_retry_waits_for_the_resume(backends):
     a = backends("a")
-    from scheduler import pauses
+    from scheduler.fleet import pauses
 
     first = claim(a, tick())
     fail_attempt(a, first, retry_in=0.0)

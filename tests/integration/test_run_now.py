@@ -8,11 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 
-from scheduler import ledger, run_now
+from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent
-from scheduler.catalog import Catalog
-from scheduler.config import Settings
-from scheduler.housekeeping import Housekeeping
+from scheduler.config.settings import Settings
+from scheduler.fleet import run_now
+from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.registry.catalog import Catalog
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 from tests.integration.test_gate_protocol import die
 from tests.support import FakeMonotonic, make_job, wait_for

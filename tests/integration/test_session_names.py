@@ -9,7 +9,7 @@ from sqlalchemy import text
 
 from scheduler.backends.pg_session import connect_args
 from scheduler.backends.postgres import PostgresBackend
-from scheduler.checks import database_checks
+from scheduler.cli.checks import database_checks
 from tests.support import free_port
 
 OPTIONS = "connect_timeout=3&application_name=borrowed"

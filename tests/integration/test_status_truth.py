@@ -12,11 +12,11 @@ import pytest
 
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
-from scheduler.catalog import Catalog
-from scheduler.config import JobConfig, Settings
-from scheduler.housekeeping import ORPHANED_RETRY_GRACE, Housekeeping, named
-from scheduler.status import fleet_status, running_words
-from scheduler.tables import lasted
+from scheduler.cli.tables import lasted
+from scheduler.config.settings import JobConfig, Settings
+from scheduler.fleet.housekeeping import ORPHANED_RETRY_GRACE, Housekeeping, named
+from scheduler.fleet.status import fleet_status, running_words
+from scheduler.registry.catalog import Catalog
 from tests.support import make_job
 
 ORPHAN, HELD, SLOW = 681, 682, 683

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from scheduler.catalog import CatalogJob
-from scheduler.config import JobConfig
-from scheduler.registry import JobSpec
+from scheduler.config.settings import JobConfig
+from scheduler.registry.catalog import CatalogJob
+from scheduler.registry.jobs import JobSpec
 
 YEAR = timedelta(days=365)
 # Autumn: 20 s into the repeated hour (02:00:20 CET, after 02:59 CEST), where every

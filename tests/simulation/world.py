@@ -19,12 +19,13 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from scheduler import catch_up, ledger, pauses
+from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
-from scheduler.catalog import CatalogJob, schedule_text
+from scheduler.config.schedules import _ticks, next_ticks, tick_after
+from scheduler.fleet import catch_up, pauses
 from scheduler.gate import Gate
 from scheduler.gate.runs import Run
-from scheduler.schedules import _ticks, next_ticks, tick_after
+from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules
 from tests.simulation.faults import Faulty

@@ -11,10 +11,10 @@ import pytest
 
 from scheduler.backends import open_backend
 from scheduler.backends.embedded import EmbeddedBackend
-from scheduler.catalog import load_catalog
-from scheduler.cli import main
-from scheduler.config import load_config
+from scheduler.cli.commands import main
+from scheduler.config.settings import load_config
 from scheduler.gate import Gate
+from scheduler.registry.catalog import load_catalog
 from scheduler.web.routes import Page
 from tests.support import FakeMonotonic, Recorder
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from scheduler import alerts
-from scheduler.agreement import Drift, Variant, live_schedules, step, words
+from scheduler.fleet.agreement import Drift, Variant, live_schedules, step, words
 from scheduler.ledger import Registration
+from scheduler.observers import alerts
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 GRACE = timedelta(minutes=10)

@@ -14,8 +14,8 @@ from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 
-from scheduler.catalog import CatalogJob
 from scheduler.daemon import GateScheduler, _add_group
+from scheduler.registry.catalog import CatalogJob
 from tests.unit.test_schedule_groups import job
 
 WAIT = 10.0  # seconds; each wait ends as soon as the scheduler's thread has done its pass

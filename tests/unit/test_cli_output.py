@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, insert
 
 from scheduler import ledger
 from scheduler.backends import EMBEDDED_FILE
-from scheduler.cli import main
+from scheduler.cli.commands import main
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.cli import main
+from scheduler.cli.commands import main
 
 GOOD_JOBS = """
 from scheduler import job
@@ -220,7 +220,7 @@ def test_a_good_config_checks_clean(tmp_path, capsys, monkeypatch):
 
 
 def load(tmp_path: Path, config: str, monkeypatch, **env: str):
-    from scheduler.config import load_config
+    from scheduler.config.settings import load_config
 
     for var in [v for v in os.environ if v.startswith("SCHEDULER_")]:
         monkeypatch.delenv(var)
@@ -285,7 +285,7 @@ def test_good_database_urls_are_accepted(url, tmp_path, monkeypatch):
 def test_the_default_instance_name_is_a_valid_one(monkeypatch):
     import socket
 
-    from scheduler.config import INSTANCE_NAME, Settings, default_instance_name
+    from scheduler.config.settings import INSTANCE_NAME, Settings, default_instance_name
 
     monkeypatch.setattr(socket, "gethostname", lambda: "rack 7/nœud.example" + "x" * 80)
     name = default_instance_name()

@@ -12,10 +12,10 @@ import pytest
 
 from scheduler.backends.base import Unavailable
 from scheduler.backends.embedded import EmbeddedBackend
-from scheduler.catalog import load_catalog
-from scheduler.config import load_config
+from scheduler.config.settings import load_config
 from scheduler.daemon import Daemon
 from scheduler.errors import ConfigError
+from scheduler.registry.catalog import load_catalog
 from tests.support import FakeMonotonic
 
 
@@ -102,7 +102,7 @@ def test_a_stop_while_waiting_for_the_database_ends_the_wait(tmp_path, monkeypat
 
 def name_taken(subject: Daemon, times: int) -> list[float]:
     """track_jobs finds the replica's name in use `times` times; returns when it looked."""
-    from scheduler.housekeeping import NameInUse
+    from scheduler.fleet.housekeeping import NameInUse
 
     looked: list[float] = []
     original = subject.housekeeping.track_jobs

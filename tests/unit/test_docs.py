@@ -177,7 +177,7 @@ def test_committed_references_are_what_the_code_generates():
 
 
 def test_settings_reference_has_every_setting_with_its_environment_and_default():
-    from scheduler.config import Settings, setting_names
+    from scheduler.config.settings import Settings, setting_names
 
     table = hooks().settings_table()
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
@@ -189,7 +189,7 @@ def test_settings_reference_has_every_setting_with_its_environment_and_default()
 
 
 def test_a_setting_without_a_description_is_refused(monkeypatch):
-    from scheduler.config import Settings
+    from scheduler.config.settings import Settings
 
     field = Settings.model_fields["timezone"]
     monkeypatch.setattr(field, "description", None)
@@ -217,7 +217,7 @@ def test_cli_reference_has_every_command_option_and_exit_status():
 
 
 def test_job_fields_table_names_every_field_of_a_job():
-    from scheduler.config import JobConfig
+    from scheduler.config.settings import JobConfig
 
     text = (DOCS / "configuration.md").read_text()
     table = text.split("| job field | meaning |", 1)[1].split("\n\n", 1)[0]

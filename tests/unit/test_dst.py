@@ -24,7 +24,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from cronsim import CronSim
 
-from scheduler.schedules import cron_trigger, next_ticks, tick_after, ticks_between
+from scheduler.config.schedules import cron_trigger, next_ticks, tick_after, ticks_between
 
 BERLIN, NEW_YORK, SYDNEY = "Europe/Berlin", "America/New_York", "Australia/Sydney"
 

@@ -1,4 +1,4 @@
-"""Which ticks were due (scheduler.due): the rule, and that nothing else walks a schedule."""
+"""Which ticks were due (scheduler.fleet.due): the rule, and that nothing else walks a schedule."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import due
-from scheduler.catalog import schedule_text
+from scheduler.fleet import due
 from scheduler.ledger import Registration
+from scheduler.registry.catalog import schedule_text
 from tests.unit.test_policies import job
 
 PACKAGE = Path(due.__file__).resolve().parent
 # What walks a schedule from any instant, the past included: only the one module (and
-# scheduler.schedules, which defines them) may call these.
+# scheduler.config.schedules, which defines them) may call these.
 WALKERS = {"ticks_between", "ticks_after", "latest"}
 ALLOWED = {PACKAGE / "due.py", PACKAGE / "schedules.py"}
 
@@ -31,7 +31,7 @@ def walkers_called(path: Path) -> list[str]:
             name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
             if name in WALKERS:
                 found.append(f"{where}:{node.lineno} {name}")
-        elif isinstance(node, ast.ImportFrom) and node.module == "scheduler.schedules":
+        elif isinstance(node, ast.ImportFrom) and node.module == "scheduler.config.schedules":
             found += [
                 f"{where}:{node.lineno} imports {a.name}" for a in node.names if a.name in WALKERS
             ]
@@ -45,13 +45,13 @@ def test_no_module_but_scheduler_due_walks_a_schedule_over_the_past():
         if path not in ALLOWED
         for c in walkers_called(path)
     ]
-    assert calls == [], "ask scheduler.due which ticks were due instead"
+    assert calls == [], "ask scheduler.fleet.due which ticks were due instead"
 
 
 def test_the_guard_sees_a_walk_written_any_way(tmp_path):
     sneaky = tmp_path / "sneaky.py"
     sneaky.write_text(
-        "from scheduler.schedules import ticks_between\n"
+        "from scheduler.config.schedules import ticks_between\n"
         "def f(trigger, a, b):\n"
         "    return ticks_between(trigger, a, b, 5) + trigger.latest(a, b, 1)\n"
         "def g(trigger, a):\n"

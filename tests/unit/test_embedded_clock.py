@@ -6,9 +6,9 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from scheduler import ledger
-from scheduler.catalog import Catalog, schedule_text
-from scheduler.config import Settings
-from scheduler.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.config.settings import Settings
+from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.registry.catalog import Catalog, schedule_text
 from tests.support import make_job
 from tests.unit.embedded_helpers import replica
 
@@ -61,7 +61,7 @@ def test_the_sweep_never_records_a_tick_missed_before_it_is_due_by_the_ledgers_c
     a = replica(tmp_path, "a", connect=False, clock=lambda: now)
     keeper = Housekeeping(a, Catalog((job,)), Settings(instance_name="hk"))
     ledger.track_jobs(a.ledger_engine, [(631, "steady", "every 1s")], now - timedelta(hours=1))
-    with a.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.due)
+    with a.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.fleet.due)
         ledger.register(
             conn, "a", [(631, "steady", schedule_text(job))], set(), now - timedelta(hours=1)
         )

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from scheduler import events
-from scheduler.catalog import Catalog, load_catalog
-from scheduler.config import Settings, load_config
+from scheduler.config.settings import Settings, load_config
 from scheduler.errors import ConfigError
-from scheduler.housekeeping import Housekeeping
-from scheduler.reload import reread
+from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.fleet.reload import reread
+from scheduler.observers import events
+from scheduler.registry.catalog import Catalog, load_catalog
 from tests.support import make_job, now_tick, settle
 from tests.unit.embedded_helpers import command_env, project, replica, scheduler
 

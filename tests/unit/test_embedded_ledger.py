@@ -22,10 +22,10 @@ from scheduler.backends.base import Outcome, Unavailable
 from scheduler.backends.embedded import LedgerBusy
 from scheduler.backends.embedded_keeper import EXIT_RESTART
 from scheduler.backends.ledger_file import JOURNAL_SIZE_LIMIT
-from scheduler.catalog import load_catalog
-from scheduler.config import load_config
+from scheduler.config.settings import load_config
 from scheduler.errors import ConfigError
-from scheduler.status import fleet_status, history
+from scheduler.fleet.status import fleet_status, history
+from scheduler.registry.catalog import load_catalog
 from tests.unit.embedded_helpers import (
     Replica,
     claim,

@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from scheduler import events
 from scheduler.backends.base import Outcome, SessionLost
 from scheduler.backends.embedded_keeper import EXIT_RESTART
 from scheduler.errors import ConfigError
 from scheduler.gate import Gate
+from scheduler.observers import events
 from tests.support import Recorder, make_job, now_tick, wait_for
 from tests.unit.embedded_helpers import (
     KEY,

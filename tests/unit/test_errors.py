@@ -8,11 +8,12 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 import scheduler
-from scheduler import cli, pauses
 from scheduler.backends.embedded import EmbeddedBackend
+from scheduler.cli import commands as cli
+from scheduler.config.parsing import Refused
 from scheduler.errors import ConfigError, LedgerError, PoolerError, SchedulerError
-from scheduler.housekeeping import NameInUse
-from scheduler.parsing import Refused
+from scheduler.fleet import pauses
+from scheduler.fleet.housekeeping import NameInUse
 from tests.unit.test_page_views import TOKEN, ask
 
 

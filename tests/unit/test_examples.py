@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from scheduler.context import RunContext
-from scheduler.registry import discover
-from scheduler.runner import execute
+from scheduler.gate.runner import execute
+from scheduler.registry.context import RunContext
+from scheduler.registry.jobs import discover
 from scheduler.statuses import Status
 from tests.support import ROOT
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import threading
 
-from scheduler import events
 from scheduler.backends.base import ClaimResult, Intent, Outcome
 from scheduler.backends.embedded import EmbeddedBackend
-from scheduler.context import Interrupted
 from scheduler.gate import Gate
+from scheduler.observers import events
+from scheduler.registry.context import Interrupted
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle
 
 
@@ -232,7 +232,7 @@ def test_a_paused_jobs_tick_is_reported_paused_and_a_manual_trigger_still_runs_i
 ):
     from datetime import UTC, datetime
 
-    from scheduler import pauses
+    from scheduler.fleet import pauses
 
     ran = []
     job = make_job(95, ran.append, name="held_back")
@@ -283,8 +283,8 @@ def test_a_row_whose_error_text_cannot_be_stored_is_recorded_with_a_placeholder(
 def test_a_run_now_request_is_taken_run_here_and_its_outcome_written_back(tmp_path):
     from datetime import UTC, datetime
 
-    from scheduler import run_now
-    from scheduler.catalog import Catalog
+    from scheduler.fleet import run_now
+    from scheduler.registry.catalog import Catalog
 
     ran = []
     job = make_job(98, ran.append, name="on_demand")
@@ -320,8 +320,8 @@ def test_a_run_now_taken_with_a_due_tick_never_takes_its_place(tmp_path):
     """Both in one step: the scheduled tick runs; the request finds the job running."""
     from datetime import UTC, datetime
 
-    from scheduler import run_now
-    from scheduler.catalog import Catalog
+    from scheduler.fleet import run_now
+    from scheduler.registry.catalog import Catalog
 
     release = threading.Event()
     job = make_job(97, lambda ctx: release.wait(10), name="both")
@@ -349,8 +349,8 @@ def test_a_run_now_taken_with_a_due_tick_never_takes_its_place(tmp_path):
 def test_without_notifications_the_gate_looks_for_run_now_requests_every_second(tmp_path):
     from datetime import UTC, datetime
 
-    from scheduler import run_now
-    from scheduler.catalog import Catalog
+    from scheduler.fleet import run_now
+    from scheduler.registry.catalog import Catalog
 
     job = make_job(96, lambda: None, name="idle")
     backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="u1", namespace=77)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.tables import duration
+from scheduler.cli.tables import duration
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from scheduler.cli import main
+from scheduler.cli.commands import main
 
 GOOD_JOBS = """
 from scheduler import job
@@ -341,12 +341,12 @@ def test_check_never_shows_the_password_when_it_cannot_connect(url, tmp_path, ca
 
 
 def test_check_scrubs_the_password_from_driver_errors(tmp_path, capsys, monkeypatch):
-    import scheduler.checks
+    import scheduler.cli.checks
 
     def refuse(url: str, instance: str) -> None:
         raise psycopg.ProgrammingError('invalid option: "pw=s3cr3t/pw" and "s3cr3t%2Fpw"')
 
-    monkeypatch.setattr(scheduler.checks, "short_connection", refuse)
+    monkeypatch.setattr(scheduler.cli.checks, "short_connection", refuse)
     code, text = check_database(
         "postgresql://u:s3cr3t%2Fpw@127.0.0.1:1/db", tmp_path, capsys, monkeypatch
     )
@@ -355,12 +355,12 @@ def test_check_scrubs_the_password_from_driver_errors(tmp_path, capsys, monkeypa
 
 
 def test_check_reports_any_error_as_one_line(tmp_path, capsys, monkeypatch):
-    import scheduler.checks
+    import scheduler.cli.checks
 
     def broken(url: str, instance: str) -> None:
         raise ValueError("something unexpected\nsecond line")
 
-    monkeypatch.setattr(scheduler.checks, "short_connection", broken)
+    monkeypatch.setattr(scheduler.cli.checks, "short_connection", broken)
     code, text = check_database("postgresql://u@127.0.0.1:1/db", tmp_path, capsys, monkeypatch)
     assert code == 2
     connect = [line for line in text.splitlines() if line.startswith("connect")]
@@ -369,7 +369,7 @@ def test_check_reports_any_error_as_one_line(tmp_path, capsys, monkeypatch):
     assert "second line" not in text
 
 
-# scheduler/urls.py and scheduler/posting.py on their own.
+# scheduler/config/urls.py and scheduler/observers/posting.py on their own.
 
 GOOD_DATABASE_URLS = [
     "postgresql://u:p%40ss%23w%3Ard@db.internal:5432/app",
@@ -403,14 +403,14 @@ BAD_DATABASE_URLS = {
 
 @pytest.mark.parametrize("url", GOOD_DATABASE_URLS)
 def test_database_urls_accepted(url):
-    from scheduler.urls import validate_database_url
+    from scheduler.config.urls import validate_database_url
 
     assert validate_database_url(url) == url
 
 
 @pytest.mark.parametrize("url", list(BAD_DATABASE_URLS))
 def test_database_urls_refused_without_showing_the_password(url):
-    from scheduler.urls import validate_database_url
+    from scheduler.config.urls import validate_database_url
 
     with pytest.raises(ValueError) as raised:
         validate_database_url(url)
@@ -443,13 +443,13 @@ def test_database_urls_refused_without_showing_the_password(url):
     ],
 )
 def test_redact_database_url(url, shown):
-    from scheduler.urls import redact_database_url
+    from scheduler.config.urls import redact_database_url
 
     assert redact_database_url(url) == shown
 
 
 def test_scrub_removes_secrets_and_their_decoded_forms():
-    from scheduler.urls import database_url_secrets, scrub
+    from scheduler.config.urls import database_url_secrets, scrub
 
     url = "postgresql://u:s3cr%40t@h/db?sslpassword=k3y%2Fpass"
     secrets = database_url_secrets(url)
@@ -473,7 +473,7 @@ def test_scrub_removes_secrets_and_their_decoded_forms():
     ],
 )
 def test_posting_never_raises(url):
-    from scheduler.posting import post, redact_url
+    from scheduler.observers.posting import post, redact_url
 
     assert post(url, b"{}", deadline_s=2) is not None
     shown = redact_url(url)
@@ -484,7 +484,7 @@ def test_posting_reports_a_server_that_hangs_up(tmp_path):
     import socket
     import threading
 
-    from scheduler.posting import post
+    from scheduler.observers.posting import post
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from scheduler.budgets import OPEN_CONNECTIONS, ROUTE_WORKERS
+from scheduler.config.budgets import OPEN_CONNECTIONS, ROUTE_WORKERS
 from scheduler.errors import ConfigError
-from scheduler.http_server import HealthServer, Reply
+from scheduler.web.server import HealthServer, Reply
 from tests.support import wait_for
 
 REQUEST_TIMEOUT = 1.5  # the endpoint's is 5 s; the mechanism is the same, the test shorter

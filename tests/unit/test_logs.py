@@ -9,8 +9,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from scheduler import events, logs
-from scheduler.runlog import RunLog
+from scheduler import logs
+from scheduler.observers import events
+from scheduler.observers.runlog import RunLog
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.backends.pg_nodes import node_conninfos, node_label, replication
 from scheduler.backends.pg_session import connect_args, explain
-from scheduler.urls import database_url_secrets, redact_database_url, scrub
+from scheduler.config.urls import database_url_secrets, redact_database_url, scrub
 
 MULTI = "postgresql://u:s3cr3tpw@a.example:5432,[::1]:5433,c/db?target_session_attrs=read-write"
 

@@ -13,11 +13,12 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import select
 
-from scheduler import alerts, events, ledger
+from scheduler import ledger
 from scheduler.backends.embedded import EmbeddedBackend
-from scheduler.budgets import ATTEMPT_DEADLINE
-from scheduler.notices import Notices
-from scheduler.pings import Pings
+from scheduler.config.budgets import ATTEMPT_DEADLINE
+from scheduler.observers import alerts, events
+from scheduler.observers.notices import Notices
+from scheduler.observers.pings import Pings
 from tests.support import RawReceiver, wait_for
 
 DRIP_FOR = 40  # seconds a dripping receiver takes over its answer, a byte a second

@@ -14,10 +14,10 @@ from sqlalchemy import insert, text
 from sqlalchemy.exc import DBAPIError
 
 from scheduler import ledger
-from scheduler.http_server import Request, find_route
 from scheduler.web.query import QUERY
 from scheduler.web.reading import ReadingBackend
 from scheduler.web.routes import Page
+from scheduler.web.server import Request, find_route
 from tests.unit.conftest import PAGE_NOW as NOW
 from tests.unit.test_page_input import HERE, dump, old_request, sendable
 from tests.unit.test_page_views import TOKEN, add_ticks, row

@@ -12,9 +12,10 @@ from urllib.parse import quote
 import pytest
 from sqlalchemy import inspect, select
 
-from scheduler import ledger, run_now
-from scheduler.http_server import HealthServer, Reply, Request, find_route
+from scheduler import ledger
+from scheduler.fleet import run_now
 from scheduler.web.routes import Page
+from scheduler.web.server import HealthServer, Reply, Request, find_route
 from tests.unit.conftest import PAGE_NOW as NOW
 from tests.unit.test_page_views import TOKEN, ask
 

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 
 from scheduler import ledger
-from scheduler.http_server import MAX_BODY, HealthServer, Reply, Request, find_route
 from scheduler.web import timeline
 from scheduler.web.auth import Guard
 from scheduler.web.routes import Page
+from scheduler.web.server import MAX_BODY, HealthServer, Reply, Request, find_route
 from scheduler.web.window import BUCKETS, LANE_DETAIL, Lane, Tick, Window, read_lanes
 from tests.unit.conftest import PAGE_NOW as NOW
 
@@ -159,7 +159,7 @@ def test_a_bearer_pauses_and_resumes_through_the_ledger(project):
 
 
 def test_protect_all_needs_a_token():
-    from scheduler.config import Settings
+    from scheduler.config.settings import Settings
 
     with pytest.raises(ValueError, match="needs http_token"):
         Settings(http_protect="all")

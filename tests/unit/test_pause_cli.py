@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scheduler import pauses
+from scheduler.fleet import pauses
 
 
 def paused_of(run, name: str) -> dict | None:

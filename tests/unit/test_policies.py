@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from scheduler import events
-from scheduler.catalog import CatalogJob, schedule_text
-from scheduler.catch_up import fleet_up, plan
-from scheduler.config import JobConfig
+from scheduler.config.settings import JobConfig
+from scheduler.fleet.catch_up import fleet_up, plan
 from scheduler.gate import Gate
 from scheduler.ledger import Registration
-from scheduler.registry import JobSpec
+from scheduler.observers import events
+from scheduler.registry.catalog import CatalogJob, schedule_text
+from scheduler.registry.jobs import JobSpec
 from scheduler.statuses import Status
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
 
@@ -40,7 +40,7 @@ def test_retry_delays_double_up_to_the_most_and_stop_after_the_last_retry():
 
 
 def test_settings_give_every_job_its_retry_policy_and_a_job_overrides_it(run, tmp_path):
-    from scheduler.config import load_config
+    from scheduler.config.settings import load_config
 
     (tmp_path / "config.yaml").write_text(
         "scheduler:\n  retries: 2\n  retry_delay: 5\n  retry_delay_max: 30\n"
@@ -224,7 +224,7 @@ def test_a_manual_run_is_not_retried(gate_over_file):
 
 
 def test_retries_and_caught_up_runs_are_counted_and_kept_out_of_lateness():
-    from scheduler.metrics import Metrics
+    from scheduler.observers.metrics import Metrics
 
     metrics = Metrics(["j"])
     at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from scheduler.posting import post
+from scheduler.observers.posting import post
 from tests.support import RawReceiver
 
 SHORT = 1.5  # seconds: an attempt's deadline in these tests (the budget's is 5 s)

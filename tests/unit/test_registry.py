@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.errors import ConfigError
-from scheduler.registry import discover
+from scheduler.registry.jobs import discover
 
 LOOP_JOBS = """
 from scheduler import job

@@ -12,11 +12,11 @@ import pytest
 
 from scheduler import ledger
 from scheduler.backends.embedded import EmbeddedBackend
-from scheduler.catalog import Catalog, load_catalog
-from scheduler.config import load_config
+from scheduler.config.settings import load_config
 from scheduler.daemon import Daemon, build_scheduler, reschedule
 from scheduler.errors import ConfigError
-from scheduler.reload import FileWatch, reread
+from scheduler.fleet.reload import FileWatch, reread
+from scheduler.registry.catalog import Catalog, load_catalog
 from tests.support import FakeMonotonic
 from tests.unit.test_schedule_groups import FakeGate, job
 
@@ -264,7 +264,7 @@ def test_jobs_written_empty_on_purpose_unschedules_every_job(project, caplog):
 
 
 def test_a_file_that_changes_while_it_is_read_is_read_again_later(project, monkeypatch):
-    import scheduler.reload as reload_module
+    import scheduler.fleet.reload as reload_module
 
     config = load_config(str(project / "config.yaml"))
     catalog = load_catalog(config)

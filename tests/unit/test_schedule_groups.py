@@ -6,10 +6,10 @@ import contextlib
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
-from scheduler.catalog import Catalog, CatalogJob, schedule_key
-from scheduler.config import JobConfig
+from scheduler.config.settings import JobConfig
 from scheduler.daemon import GateExecutor, build_scheduler
-from scheduler.registry import JobSpec
+from scheduler.registry.catalog import Catalog, CatalogJob, schedule_key
+from scheduler.registry.jobs import JobSpec
 
 
 def job(name: str, key: int, tz: str = "UTC", **schedule: object) -> CatalogJob:

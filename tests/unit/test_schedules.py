@@ -11,9 +11,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from apscheduler.triggers.base import BaseTrigger
 
-from scheduler.catalog import build_trigger
-from scheduler.config import JobConfig
-from scheduler.schedules import (
+from scheduler.config.schedules import (
     cron_trigger,
     format_duration,
     interval_trigger,
@@ -22,6 +20,8 @@ from scheduler.schedules import (
     tick_after,
     ticks_between,
 )
+from scheduler.config.settings import JobConfig
+from scheduler.registry.catalog import build_trigger
 
 
 @pytest.mark.parametrize(

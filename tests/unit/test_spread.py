@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from scheduler.catalog import CatalogJob, build_trigger, schedule_text, trigger_of
-from scheduler.config import JobConfig
-from scheduler.registry import JobSpec
-from scheduler.schedules import Shifted, next_ticks, spread_offset, ticks_between
+from scheduler.config.schedules import Shifted, next_ticks, spread_offset, ticks_between
+from scheduler.config.settings import JobConfig
+from scheduler.registry.catalog import CatalogJob, build_trigger, schedule_text, trigger_of
+from scheduler.registry.jobs import JobSpec
 
 TEN_MINUTES = timedelta(minutes=10)
 

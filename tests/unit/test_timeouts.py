@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from scheduler import events, ledger
-from scheduler.config import JobConfig
-from scheduler.metrics import Metrics
-from scheduler.notices import Notices
+from scheduler import ledger
+from scheduler.config.settings import JobConfig
+from scheduler.observers import events
+from scheduler.observers.metrics import Metrics
+from scheduler.observers.notices import Notices
 from tests.support import make_job, now_tick, settle
 
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from scheduler.workers import Workers
+from scheduler.gate.workers import Workers
 from tests.support import wait_for
 
 

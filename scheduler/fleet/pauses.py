@@ -8,7 +8,7 @@ runs the job (a person asked for it). The row lives in the ledger, so the
 pause outlives every replica and the database's restarts.
 
 Pausing and resuming raise `job.paused` and `job.resumed` notices in the same
-transaction; the next live replica delivers them (see `scheduler.notices`).
+transaction; the next live replica delivers them (see `scheduler.observers.notices`).
 Two people pausing at once make one pause and one notice (the primary key).
 """
 
@@ -21,8 +21,9 @@ from datetime import datetime
 
 from sqlalchemy import Connection, delete, select
 
-from scheduler import alerts, ledger
+from scheduler import ledger
 from scheduler.errors import ConfigError
+from scheduler.observers import alerts
 from scheduler.text import printable, storable
 
 MAX_REASON = 500  # characters of a pause's reason

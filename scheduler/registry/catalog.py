@@ -14,10 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 from apscheduler.triggers.base import BaseTrigger
 
-from scheduler.config import Config, JobConfig
-from scheduler.errors import ConfigError
-from scheduler.registry import JobSpec, Registry, discover
-from scheduler.schedules import (
+from scheduler.config.schedules import (
     Schedule,
     Shifted,
     cron_trigger,
@@ -28,6 +25,9 @@ from scheduler.schedules import (
     spread_offset,
     zone,
 )
+from scheduler.config.settings import Config, JobConfig
+from scheduler.errors import ConfigError
+from scheduler.registry.jobs import JobSpec, Registry, discover
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Whether a notice is due is decided in the ledger, atomically, in the claim or
 finish that changes the streak it is about, so exactly one notice is raised
 per streak for the whole fleet; it is written to the outbox in the same
-transaction and delivered by `scheduler.notices`. Here a notice only becomes
+transaction and delivered by `scheduler.observers.notices`. Here a notice only becomes
 words.
 
 Events (the `event` field of the webhook body):
@@ -17,7 +17,7 @@ Events (the `event` field of the webhook body):
 - ``job.paused`` / ``job.resumed``: someone paused the job for the whole fleet
   (`scheduler pause`), or resumed it.
 - ``job.schedule_drift``: the live replicas have run different schedules for
-  the job for longer than `schedule_drift_grace` (see `scheduler.agreement`).
+  the job for longer than `schedule_drift_grace` (see `scheduler.fleet.agreement`).
 - ``job.schedule_agreed``: they run one schedule again.
 - ``job.timed_out``: a run passed the job's `timeout` (once per run).
 """

@@ -12,7 +12,7 @@ retry also recorded in the outbox, so retries survive the replica too.
 A notice is logged and counted by this module's thread as soon as it is read
 from the outbox, never after a delivery: the POSTs go out from a `Courier`'s
 threads, several at once, each attempt within its deadline
-(`scheduler.budgets`). A receiver that drips its answer costs one failed
+(`scheduler.config.budgets`). A receiver that drips its answer costs one failed
 attempt, which counts towards giving up, and holds up no other notice.
 
 Delivery is at least once: a replica that dies between the POST and marking
@@ -34,12 +34,13 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from scheduler import alerts, events, ledger
-from scheduler.alerts import Notice
-from scheduler.budgets import ATTEMPT_DEADLINE, NOTICE_ATTEMPTS_AT_ONCE, NOTICES_QUEUED
+from scheduler import ledger
+from scheduler.config.budgets import ATTEMPT_DEADLINE, NOTICE_ATTEMPTS_AT_ONCE, NOTICES_QUEUED
+from scheduler.config.schedules import format_duration
 from scheduler.errors import one_line
-from scheduler.posting import Courier, redact_url
-from scheduler.schedules import format_duration
+from scheduler.observers import alerts, events
+from scheduler.observers.alerts import Notice
+from scheduler.observers.posting import Courier, redact_url
 
 log = logging.getLogger("scheduler.alerts")
 

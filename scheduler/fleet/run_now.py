@@ -29,13 +29,13 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from scheduler import ledger
 from scheduler.errors import one_line
-from scheduler.housekeeping import SWEEP_EVERY
+from scheduler.fleet.housekeeping import SWEEP_EVERY
 from scheduler.statuses import Status
 from scheduler.text import printable, storable
 
 if TYPE_CHECKING:
     from scheduler.backends.base import LedgerStore
-    from scheduler.catalog import Catalog, CatalogJob
+    from scheduler.registry.catalog import Catalog, CatalogJob
 
 log = logging.getLogger("scheduler.run_now")
 

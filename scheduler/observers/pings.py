@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import logging
 
-from scheduler import events
-from scheduler.budgets import ATTEMPT_DEADLINE, PING_WORKERS, PINGS_PER_RECEIVER, PINGS_QUEUED
-from scheduler.posting import Courier, redact_url
+from scheduler.config.budgets import (
+    ATTEMPT_DEADLINE,
+    PING_WORKERS,
+    PINGS_PER_RECEIVER,
+    PINGS_QUEUED,
+)
+from scheduler.observers import events
+from scheduler.observers.posting import Courier, redact_url
 from scheduler.statuses import Status
 
 log = logging.getLogger("scheduler.pings")

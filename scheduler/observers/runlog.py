@@ -14,7 +14,8 @@ import time
 from datetime import datetime
 from typing import Any
 
-from scheduler import events, logs
+from scheduler import logs
+from scheduler.observers import events
 from scheduler.statuses import Status
 
 

@@ -48,7 +48,9 @@ class RunFinished:
     failures_alert: bool  # this failure made the streak reach its threshold
     failures_recovered: bool  # this success ends a failure streak that had alerted
     skips_recovered: bool  # this run kept up again after an overrun that had alerted
-    notices: tuple[int, ...]  # outbox notices the finish raised (delivered by scheduler.notices)
+    notices: tuple[
+        int, ...
+    ]  # outbox notices the finish raised (delivered by scheduler.observers.notices)
     ping_url: str | None
     attempt: int = 1
     retry_in_s: float | None = None  # failed, and the next attempt is due this much later
@@ -65,7 +67,9 @@ class TickSkipped:
     consecutive_skips: int
     threshold: int
     alert: bool  # this skip made the fleet-wide streak reach its threshold
-    notices: tuple[int, ...] = ()  # the alert, in the outbox (delivered by scheduler.notices)
+    notices: tuple[
+        int, ...
+    ] = ()  # the alert, in the outbox (delivered by scheduler.observers.notices)
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build

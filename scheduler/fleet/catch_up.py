@@ -1,6 +1,6 @@
 """Catch-up after downtime: the due ticks a fleet that was down did not run.
 
-Which ticks were due is `scheduler.due`'s answer: those of the schedules in
+Which ticks were due is `scheduler.fleet.due`'s answer: those of the schedules in
 force then, not of this replica's schedule today. `catch_up: latest` hands the
 gate the most recent due tick within the misfire grace, once, at start.
 `catch_up: all` looks back over the job's `catch_up_window` each time this
@@ -27,13 +27,14 @@ from datetime import datetime
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import events, ledger
+from scheduler import ledger
 from scheduler.backends.base import LedgerStore, Outcome
-from scheduler.catalog import Catalog, CatalogJob
-from scheduler.due import InForce
 from scheduler.errors import one_line
+from scheduler.fleet.due import InForce
+from scheduler.fleet.housekeeping import MISSED_LIMIT
 from scheduler.gate import Gate
-from scheduler.housekeeping import MISSED_LIMIT
+from scheduler.observers import events
+from scheduler.registry.catalog import Catalog, CatalogJob
 
 log = logging.getLogger("scheduler.catch_up")
 

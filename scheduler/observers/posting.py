@@ -1,8 +1,8 @@
 """POSTing notices (alert webhooks, dead man's switch pings) from background threads.
 
-`post` makes one attempt under the budgets of `scheduler.budgets` (one
+`post` makes one attempt under the budgets of `scheduler.config.budgets` (one
 deadline for all of it, a few KiB of the reply read, no redirects: see
-`scheduler.http_client`, imported on the first POST) and answers every
+`scheduler.observers.http_client`, imported on the first POST) and answers every
 failure, whatever the URL or the server did, with a reason instead of raising.
 
 `Courier` sends them from a few threads of its own, so that no caller waits on
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from scheduler.budgets import ATTEMPT_DEADLINE
-from scheduler.urls import redact_http_url
+from scheduler.config.budgets import ATTEMPT_DEADLINE
+from scheduler.config.urls import redact_http_url
 
 log = logging.getLogger("scheduler.posting")
 
@@ -37,7 +37,7 @@ def post(
     url: str, body: bytes, deadline_s: float = ATTEMPT_DEADLINE, content_type: str | None = None
 ) -> str | None:
     """None on success, else the reason it failed, which never contains the URL."""
-    from scheduler import http_client
+    from scheduler.observers import http_client
 
     return http_client.post(url, body, deadline_s, content_type)
 

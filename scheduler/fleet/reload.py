@@ -29,13 +29,13 @@ from pathlib import Path
 
 import yaml
 
-from scheduler.catalog import Catalog, CatalogJob, build_catalog, schedule_text
-from scheduler.config import MAX_CONFIG_BYTES, Config, JobConfig, Settings, load_config
+from scheduler.config.schedules import format_duration
+from scheduler.config.settings import MAX_CONFIG_BYTES, Config, JobConfig, Settings, load_config
+from scheduler.config.urls import redact_http_url
 from scheduler.errors import ConfigError
 from scheduler.gate import Backoff
-from scheduler.registry import build_registry
-from scheduler.schedules import format_duration
-from scheduler.urls import redact_http_url
+from scheduler.registry.catalog import Catalog, CatalogJob, build_catalog, schedule_text
+from scheduler.registry.jobs import build_registry
 
 # Settings a reload applies: they only shape the jobs' schedules and thresholds.
 APPLIED_ON_RELOAD = frozenset({"timezone", "skip_alert_after", "fail_alert_after", "misfire_grace"})

@@ -15,19 +15,20 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, tzinfo
 from typing import TYPE_CHECKING, Any
 
-from scheduler import __version__, parsing
+from scheduler import __version__
 from scheduler.backends import Backend
-from scheduler.catalog import Catalog, CatalogJob, load_catalog
-from scheduler.config import Config, load_config
+from scheduler.cli.tables import instant, lasted, table
+from scheduler.config import parsing
+from scheduler.config.schedules import zone
+from scheduler.config.settings import Config, load_config
 from scheduler.errors import ConfigError, LedgerError, SchedulerError, one_line, shorten
 from scheduler.ledger import TickFilter
-from scheduler.schedules import zone
+from scheduler.registry.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.statuses import Status
-from scheduler.tables import instant, lasted, table
 from scheduler.text import printable
 
 if TYPE_CHECKING:
-    from scheduler.run_now import Answer
+    from scheduler.fleet.run_now import Answer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD, EXIT_UNKNOWN = 0, 1, 2, 3, 4
 EXIT_PIPE = 128 + 13  # SIGPIPE
@@ -306,7 +307,7 @@ def _check(config: Config, catalog: Catalog) -> int:
             f"{'database':<16} {'--':<4} embedded mode: {embedded_path(settings)} (this host only)"
         )
         return EXIT_OK
-    from scheduler.checks import database_checks
+    from scheduler.cli.checks import database_checks
 
     fatal = False
     print(f"{'schema':<16} {'ok':<4} {settings.schema_name} (lock namespace {settings.namespace})")
@@ -325,7 +326,7 @@ def _check_schedules(config: Config, catalog: Catalog) -> None:
     from sqlalchemy import inspect
 
     from scheduler.backends import open_backend
-    from scheduler.status import schedule_checks
+    from scheduler.fleet.status import schedule_checks
 
     backend = open_backend(config.settings)
     try:
@@ -413,7 +414,7 @@ def _ledger_backend(config: Config) -> Backend:
 
 
 def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> int:
-    from scheduler.status import fleet_status, running_words
+    from scheduler.fleet.status import fleet_status, running_words
 
     document = fleet_status(_ledger_backend(config), catalog, datetime.now(UTC))
     if as_json:
@@ -491,7 +492,7 @@ def _zone_flag(name: str) -> tzinfo:
 def _history(
     config: Config, catalog: Catalog, wanted: TickFilter, tz_name: str, as_json: bool
 ) -> int:
-    from scheduler.status import history
+    from scheduler.fleet.status import history
 
     rows = history(_ledger_backend(config), wanted)
     if as_json:
@@ -527,10 +528,10 @@ def _history_line(row: dict[str, Any], tz: tzinfo) -> dict[str, Any]:
 
 
 def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
-    """Hand the run to a live replica (scheduler.run_now) and wait for what became of it."""
+    """Hand the run to a live replica (scheduler.fleet.run_now) and wait for what became of it."""
     import time
 
-    from scheduler import pauses, run_now
+    from scheduler.fleet import pauses, run_now
 
     job = _named(catalog, name)
     settings = config.settings
@@ -566,7 +567,7 @@ def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
 def _trigger_code(answer: Answer) -> int:
     """0 ran and succeeded, 1 ran and did not, 3 not run (held, nobody took it),
     4 unknown (taken, and the ledger does not say what became of it)."""
-    from scheduler.run_now import Phase
+    from scheduler.fleet.run_now import Phase
 
     if answer.phase is Phase.WITHDRAWN or answer.outcome == "held":
         return EXIT_HELD
@@ -586,7 +587,7 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
     from scheduler.backends.base import Outcome
     from scheduler.gate import Gate
     from scheduler.logs import setup_logging, stop_logging
-    from scheduler.runlog import RunLog
+    from scheduler.observers.runlog import RunLog
 
     job = _named(catalog, name)
     settings = config.settings
@@ -622,7 +623,7 @@ def _trigger(config: Config, catalog: Catalog, name: str) -> int:
 
 
 def _pause(config: Config, catalog: Catalog, name: str, reason: str | None, by: str | None) -> int:
-    from scheduler import pauses
+    from scheduler.fleet import pauses
 
     job = _named(catalog, name)
     why = pauses.checked(reason, "--reason", pauses.MAX_REASON)
@@ -644,7 +645,7 @@ def _pause(config: Config, catalog: Catalog, name: str, reason: str | None, by: 
 
 
 def _resume(config: Config, catalog: Catalog, name: str, by: str | None) -> int:
-    from scheduler import pauses
+    from scheduler.fleet import pauses
 
     job = _named(catalog, name)
     actor = pauses.checked(by, "--by", pauses.MAX_ACTOR) or pauses.default_actor()

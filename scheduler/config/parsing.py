@@ -16,9 +16,9 @@ from collections.abc import Collection
 from datetime import UTC, datetime, timedelta, tzinfo
 from urllib.parse import quote
 
-from scheduler.config import INSTANCE_NAME
+from scheduler.config.schedules import format_duration, parse_duration, zone
+from scheduler.config.settings import INSTANCE_NAME
 from scheduler.errors import ConfigError, shorten
-from scheduler.schedules import format_duration, parse_duration, zone
 
 EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST = datetime(3000, 1, 1, tzinfo=UTC)

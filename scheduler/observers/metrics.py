@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from scheduler import events
+from scheduler.observers import events
 from scheduler.statuses import Status
 
 DURATION_BUCKETS = (0.005, 0.05, 0.25, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)

@@ -1,6 +1,6 @@
 """The one HTTP client: a POST whose reply is read under a budget in bytes and in time.
 
-Imported on the first POST (`scheduler.posting`): most replicas never send one.
+Imported on the first POST (`scheduler.observers.posting`): most replicas never send one.
 
 - One deadline for the whole attempt (connecting, the TLS handshake, sending,
   and every read of the reply): a receiver that drips a byte at a time meets
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from scheduler.budgets import REPLY_BYTES
+from scheduler.config.budgets import REPLY_BYTES
 
 Clock = Callable[[], float]
 

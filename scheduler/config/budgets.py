@@ -1,8 +1,8 @@
 """Every budget, in bytes and in time, for what comes from the network: in one place.
 
-Incoming requests are read under these by `scheduler.http_server`, before
+Incoming requests are read under these by `scheduler.web.server`, before
 anything parses them; outgoing POSTs (webhook notices, pings) read their
-replies under these in `scheduler.posting`. Nothing else in the scheduler
+replies under these in `scheduler.observers.posting`. Nothing else in the scheduler
 reads from a socket. docs/operating.md: Network budgets.
 """
 

@@ -8,8 +8,8 @@ import inspect
 import traceback
 from collections.abc import Awaitable
 
-from scheduler.context import Interrupted, RunContext
-from scheduler.registry import JobSpec
+from scheduler.registry.context import Interrupted, RunContext
+from scheduler.registry.jobs import JobSpec
 from scheduler.statuses import Status
 from scheduler.text import MAX_STORED
 

@@ -12,10 +12,11 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from scheduler import agreement, due, ledger, pauses
+from scheduler import ledger
 from scheduler.backends import Backend
 from scheduler.backends.embedded import READ_ONLY
-from scheduler.catalog import Catalog, CatalogJob, schedule_text
+from scheduler.fleet import agreement, due, pauses
+from scheduler.registry.catalog import Catalog, CatalogJob, schedule_text
 from scheduler.statuses import FINISHED
 
 
@@ -52,7 +53,7 @@ def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]
 
 
 def next_ticks(backend: Backend, job: CatalogJob, now: datetime, n: int) -> list[datetime]:
-    """The job's next `n` ticks as the live replicas fire them (scheduler.due)."""
+    """The job's next `n` ticks as the live replicas fire them (scheduler.fleet.due)."""
     with backend.ledger_engine.connect() as conn:
         live = {i["name"] for i in backend.live_instances(conn)}
         registered = ledger.registrations_of(conn, [job.key])

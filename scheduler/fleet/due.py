@@ -22,9 +22,9 @@ from datetime import datetime, timedelta
 
 from apscheduler.triggers.base import BaseTrigger
 
-from scheduler.catalog import CatalogJob, trigger_of
+from scheduler.config.schedules import next_tick, next_ticks, tick_after, ticks_between
 from scheduler.ledger import Registration
-from scheduler.schedules import next_tick, next_ticks, tick_after, ticks_between
+from scheduler.registry.catalog import CatalogJob, trigger_of
 
 _MICROSECOND = timedelta(microseconds=1)
 # Ticks of one schedule a look walks at most: schedules that differ (or one that never

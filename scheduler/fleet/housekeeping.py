@@ -7,7 +7,7 @@ them (`ledger.elect`): the work does not grow with the number of replicas.
 - Stale runs: a `running` row whose job lock nobody holds belongs to a
   replica that died; it is marked `crashed` even when the job's next tick is
   hours away.
-- Missed ticks: a tick that was due (scheduler.due) and that no replica
+- Missed ticks: a tick that was due (scheduler.fleet.due) and that no replica
   claimed within its misfire grace (the database was unreachable, or no
   replica was up) gets a `missed` row (or `paused`, if the job is paused since
   before it), at most `MISSED_LIMIT` per job per sweep.
@@ -26,17 +26,18 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
-from scheduler import agreement, ledger
+from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Crashes, Intent
-from scheduler.catalog import Catalog, schedule_text
-from scheduler.config import Settings
-from scheduler.due import InForce
+from scheduler.config.settings import Settings
 from scheduler.errors import ConfigError, one_line
+from scheduler.fleet import agreement
+from scheduler.fleet.due import InForce
+from scheduler.registry.catalog import Catalog, schedule_text
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 
 if TYPE_CHECKING:
     from scheduler.backends.base import LedgerStore
-    from scheduler.notices import Notices
+    from scheduler.observers.notices import Notices
 
 log = logging.getLogger("scheduler.housekeeping")
 
@@ -250,7 +251,7 @@ class Housekeeping:
         now: datetime,
     ) -> list[int]:
         """Jobs whose live replicas disagree on the schedule: one notice when it has lasted
-        `schedule_drift_grace`, one when it ends (scheduler.agreement). Job rows in key order.
+        `schedule_drift_grace`, one when it ends (scheduler.fleet.agreement). Job rows in key order.
         """
         grace = timedelta(seconds=self.settings.schedule_drift_grace)
         variants = agreement.live_schedules(registered, live)
@@ -375,7 +376,7 @@ class Housekeeping:
         Each sweep looks at the ticks that left their grace since the previous
         sweep (or since the job was tracked, bounded per job), so its cost
         follows the number of ticks, not the size of the ledger. Only ticks that
-        were due are recorded (`scheduler.due`: by the schedules in force then).
+        were due are recorded (`scheduler.fleet.due`: by the schedules in force then).
         """
         if registered is None:
             registered = ledger.registrations_of(conn)

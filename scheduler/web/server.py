@@ -4,7 +4,7 @@ Observes the daemon; never steers it. Whatever clients send, the endpoint
 holds bounded memory, threads and file descriptors, and the probes answer:
 
 - One thread runs an asyncio loop that does all of the endpoint's network
-  I/O. It reads each request under the budgets of `scheduler.budgets`
+  I/O. It reads each request under the budgets of `scheduler.config.budgets`
   before anything parses it (`read_request`): the head within
   `REQUEST_HEAD_BYTES` and `REQUEST_HEAD_LINES`, a POST body within
   `REQUEST_BODY_BYTES`, all of it within `REQUEST_TIMEOUT` however slowly it
@@ -40,7 +40,7 @@ from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from scheduler.budgets import (
+from scheduler.config.budgets import (
     FD_SHARE,
     LINGER_BYTES,
     LINGER_TIMEOUT,

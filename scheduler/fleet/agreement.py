@@ -16,8 +16,9 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from scheduler import alerts, ledger
-from scheduler.schedules import format_duration
+from scheduler import ledger
+from scheduler.config.schedules import format_duration
+from scheduler.observers import alerts
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from scheduler.config.schedules import cron_trigger, parse_duration, zone
+from scheduler.config.urls import redact_http_url, validate_database_url, validate_http_url
 from scheduler.errors import SHOWN_MAX, ConfigError, one_line, shorten
-from scheduler.schedules import cron_trigger, parse_duration, zone
-from scheduler.urls import redact_http_url, validate_database_url, validate_http_url
 
 ENV_PREFIX = "SCHEDULER_"
 SCHEMA_NAME = re.compile(r"(?!pg_)[a-z_][a-z0-9_]{0,62}")
@@ -534,7 +534,7 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
             raise ConfigError(f"{path}: scheduler: {_shown(name)} is not the name of a setting")
     if "config" in section:
         raise ConfigError(
-            f"{path}: scheduler.config: the config file cannot name itself; "
+            f"{path}: scheduler.config.settings: the config file cannot name itself; "
             "use --config or SCHEDULER_CONFIG"
         )
     overrides = {k: v for k, v in flags.items() if v is not None}

@@ -26,8 +26,8 @@ from scheduler.backends.pg_session import (
     session_is_kept,
     short_connection,
 )
+from scheduler.config.urls import database_url_secrets, redact_database_url, scrub
 from scheduler.errors import one_line
-from scheduler.urls import database_url_secrets, redact_database_url, scrub
 
 MIN_SERVER_VERSION = 140000  # idle_session_timeout arrived in PostgreSQL 14
 

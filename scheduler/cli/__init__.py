@@ -1,0 +1,1 @@
+"""The command line: commands, their tables and the checks `scheduler check` runs."""

@@ -1,0 +1,1 @@
+"""Configuration: settings, schedules, URLs and budgets. A leaf: no database code."""

@@ -1,0 +1,1 @@
+"""The job registry: `@job`, discovery, and the catalog of jobs with their schedules."""
