@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, tzinfo
 from typing import TYPE_CHECKING, Any
 
@@ -132,14 +132,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"scheduler {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = _command(commands, common, "run")
+    for name in COMMANDS:
+        ARGUMENTS.get(name, _none)(_command(commands, common, name))
+    return parser
+
+
+def _none(command: argparse.ArgumentParser) -> None:
+    """`check` takes only the common flags."""
+
+
+def _run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--http-port",
         type=int,
         help="serve the page, its API, /healthz, /readyz and /metrics on this port",
     )
-    _command(commands, common, "check")
-    jobs = _command(commands, common, "jobs")
+
+
+def _jobs_arguments(jobs: argparse.ArgumentParser) -> None:
     jobs.add_argument("job", metavar="JOB", nargs="?", help="only this job")
     jobs.add_argument(
         "--next",
@@ -153,12 +163,16 @@ def _parser() -> argparse.ArgumentParser:
         "without an offset it is read in the `timezone` setting",
     )
     jobs.add_argument("--json", action="store_true", help="print JSON")
-    status = _command(commands, common, "status")
+
+
+def _status_arguments(status: argparse.ArgumentParser) -> None:
     status.add_argument(
         "--tz", metavar="ZONE", default="UTC", help="show times in this zone (default UTC)"
     )
     status.add_argument("--json", action="store_true", help="print JSON")
-    history = _command(commands, common, "history")
+
+
+def _history_arguments(history: argparse.ArgumentParser) -> None:
     history.add_argument("job", metavar="JOB", nargs="?", help="only this job")
     history.add_argument(
         "--limit",
@@ -177,23 +191,37 @@ def _parser() -> argparse.ArgumentParser:
         "--status", metavar="S[,S...]", help="only these statuses, e.g. failed,crashed"
     )
     history.add_argument("--instance", metavar="NAME", help="only ticks this replica recorded")
-    history.add_argument(
-        "--tz", metavar="ZONE", default="UTC", help="show times in this zone (default UTC)"
-    )
-    history.add_argument("--json", action="store_true", help="print JSON")
-    trigger = _command(commands, common, "trigger")
+    _status_arguments(history)
+
+
+def _trigger_arguments(trigger: argparse.ArgumentParser) -> None:
     trigger.add_argument("job", metavar="JOB", help="the job")
     trigger.add_argument(
         "--here", action="store_true", help="run it in this process instead (through the gate)"
     )
-    pause = _command(commands, common, "pause")
+
+
+def _pause_arguments(pause: argparse.ArgumentParser) -> None:
     pause.add_argument("job", metavar="JOB", help="the job")
     pause.add_argument("--reason", help="why, kept with the pause and shown by `status`")
     pause.add_argument("--by", help="who pauses it (default: user@host)")
-    resume = _command(commands, common, "resume")
+
+
+def _resume_arguments(resume: argparse.ArgumentParser) -> None:
     resume.add_argument("job", metavar="JOB", help="the job")
     resume.add_argument("--by", help="who resumes it (default: user@host)")
-    return parser
+
+
+# Each command's own arguments, beside the common --config and --jobs.
+ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "run": _run_arguments,
+    "jobs": _jobs_arguments,
+    "status": _status_arguments,
+    "history": _history_arguments,
+    "trigger": _trigger_arguments,
+    "pause": _pause_arguments,
+    "resume": _resume_arguments,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, tzinfo
 from typing import Any
 
+from scheduler.statuses import Status
 from scheduler.text import printable
 
 MAX_CELL = 120  # characters of one cell (an error) in a text table; JSON has it whole
@@ -48,4 +49,4 @@ def duration(seconds: float | None) -> str:
 def lasted(status: str, seconds: float | None) -> str:
     """A row's duration; a crashed run's is what is known of it, so at least that."""
     said = duration(seconds)
-    return f"at least {said}" if said and status == "crashed" else said
+    return f"at least {said}" if said and status == Status.CRASHED else said

@@ -7,10 +7,11 @@ are documented in docs/cli.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from scheduler import ledger
 from scheduler.backends import Backend
@@ -60,70 +61,27 @@ def next_ticks(backend: Backend, job: CatalogJob, now: datetime, n: int) -> list
     return due.upcoming(job, registered, live, now, n)
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """What `status` reads of the fleet, in one read transaction."""
+
+    live: set[str]
+    holders: dict[int, str]
+    running: dict[int, ledger.TickRow]
+    latest: dict[int, ledger.TickRow]
+    states: dict[int, dict[str, Any]]
+    paused: dict[int, pauses.Pause]
+    by_job: dict[int, list[ledger.Registration]]
+    variants: dict[int, list[agreement.Variant]]
+    seen: dict[str, datetime]
+
+
 def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str, Any]:
     # One read transaction; the embedded backend reads its file locks without taking
     # any (a probe could make a concurrent claim see its lock as taken).
     with _reading(backend).begin() as conn:
         instances = backend.live_instances(conn)
-        holders = backend.lock_holders(conn)
-        running = {row.key: row for row in ledger.running(conn)}
-        states = ledger.job_states(conn)
-        paused = pauses.paused_jobs(conn)
-        live = {i["name"] for i in instances}
-        registered = ledger.registrations_of(conn)
-        variants = agreement.live_schedules(registered, live)
-        latest = ledger.latest_of(conn, [job.key for job in catalog], FINISHED)
-        gone = sorted({r.instance for r in running.values() if r.instance} - live)
-        seen = ledger.seen_at(conn, gone)
-        by_job: dict[int, list[ledger.Registration]] = {}
-        for r in registered:
-            by_job.setdefault(r.key, []).append(r)
-        jobs = []
-        for job in catalog:
-            state = states.get(job.key, {})
-            run = running.get(job.key)
-            last = latest.get(job.key)
-            upcoming = due.upcoming(job, by_job.get(job.key, []), live, now, 1)
-            jobs.append(
-                {
-                    **job.as_json(now),
-                    "next_tick": job.local(upcoming[0]) if upcoming else None,
-                    "running": None
-                    if run is None
-                    else {
-                        "instance": run.instance,
-                        "since": ledger.iso(run.started_at),
-                        "scheduled_at": ledger.iso(run.scheduled_at),
-                        "run_id": run.run_id,
-                        "lock_held_by": holders.get(job.key),
-                        # Its replica is gone and nobody holds the lock: the sweep will
-                        # record it crashed; until then it is shown so, not as running.
-                        "replica_gone": run.instance not in live and job.key not in holders,
-                        "last_seen": ledger.iso(seen.get(run.instance or "")),
-                        "past_timeout_since": ledger.iso(past_timeout(job, run, now)),
-                    },
-                    "last_run": None
-                    if last is None
-                    else {
-                        "status": last.status,
-                        "scheduled_at": ledger.iso(last.scheduled_at),
-                        "instance": last.instance,
-                        "finished_at": ledger.iso(last.finished_at),
-                        "duration_s": last.duration_s,
-                        "error": last.error,
-                        "run_id": last.run_id,
-                    },
-                    "consecutive_skips": int(state.get("consecutive_skips") or 0),
-                    "skip_alert_after": job.skip_threshold,
-                    "consecutive_failures": int(state.get("consecutive_failures") or 0),
-                    "fail_alert_after": job.fail_threshold,
-                    "alerting": bool(state.get("skip_alerted") or state.get("fail_alerted")),
-                    "paused": paused[job.key].as_json() if job.key in paused else None,
-                    # What the live replicas run, and who runs it: one entry when they agree.
-                    "schedules": [v.as_json() for v in variants.get(job.key, [])],
-                    "schedules_agree": len(variants.get(job.key, [])) <= 1,
-                }
-            )
+        snapshot = _read(backend, conn, catalog, {i["name"] for i in instances})
     notes = getattr(backend, "notes", None)
     return {
         "backend": backend.name,
@@ -136,9 +94,81 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
             }
             for i in instances
         ],
-        "jobs": jobs,
+        "jobs": [_job_status(job, snapshot, now) for job in catalog],
         # What the backend finds wrong under the fleet (embedded: a lock folder that is gone).
         "notes": notes() if callable(notes) else [],
+    }
+
+
+def _read(backend: Backend, conn: Connection, catalog: Catalog, live: set[str]) -> _Snapshot:
+    running = {row.key: row for row in ledger.running(conn)}
+    registered = ledger.registrations_of(conn)
+    by_job: dict[int, list[ledger.Registration]] = {}
+    for r in registered:
+        by_job.setdefault(r.key, []).append(r)
+    gone = sorted({r.instance for r in running.values() if r.instance} - live)
+    return _Snapshot(
+        live=live,
+        holders=backend.lock_holders(conn),
+        running=running,
+        latest=ledger.latest_of(conn, [job.key for job in catalog], FINISHED),
+        states=ledger.job_states(conn),
+        paused=pauses.paused_jobs(conn),
+        by_job=by_job,
+        variants=agreement.live_schedules(registered, live),
+        seen=ledger.seen_at(conn, gone),
+    )
+
+
+def _job_status(job: CatalogJob, snap: _Snapshot, now: datetime) -> dict[str, Any]:
+    state = snap.states.get(job.key, {})
+    run = snap.running.get(job.key)
+    last = snap.latest.get(job.key)
+    upcoming = due.upcoming(job, snap.by_job.get(job.key, []), snap.live, now, 1)
+    variants = snap.variants.get(job.key, [])
+    return {
+        **job.as_json(now),
+        "next_tick": job.local(upcoming[0]) if upcoming else None,
+        "running": None if run is None else _running_status(job, run, snap, now),
+        "last_run": None if last is None else _last_status(last),
+        "consecutive_skips": int(state.get("consecutive_skips") or 0),
+        "skip_alert_after": job.skip_threshold,
+        "consecutive_failures": int(state.get("consecutive_failures") or 0),
+        "fail_alert_after": job.fail_threshold,
+        "alerting": bool(state.get("skip_alerted") or state.get("fail_alerted")),
+        "paused": snap.paused[job.key].as_json() if job.key in snap.paused else None,
+        # What the live replicas run, and who runs it: one entry when they agree.
+        "schedules": [v.as_json() for v in variants],
+        "schedules_agree": len(variants) <= 1,
+    }
+
+
+def _running_status(
+    job: CatalogJob, run: ledger.TickRow, snap: _Snapshot, now: datetime
+) -> dict[str, Any]:
+    return {
+        "instance": run.instance,
+        "since": ledger.iso(run.started_at),
+        "scheduled_at": ledger.iso(run.scheduled_at),
+        "run_id": run.run_id,
+        "lock_held_by": snap.holders.get(job.key),
+        # Its replica is gone and nobody holds the lock: the sweep will
+        # record it crashed; until then it is shown so, not as running.
+        "replica_gone": run.instance not in snap.live and job.key not in snap.holders,
+        "last_seen": ledger.iso(snap.seen.get(run.instance or "")),
+        "past_timeout_since": ledger.iso(past_timeout(job, run, now)),
+    }
+
+
+def _last_status(last: ledger.TickRow) -> dict[str, Any]:
+    return {
+        "status": last.status,
+        "scheduled_at": ledger.iso(last.scheduled_at),
+        "instance": last.instance,
+        "finished_at": ledger.iso(last.finished_at),
+        "duration_s": last.duration_s,
+        "error": last.error,
+        "run_id": last.run_id,
     }
 
 
