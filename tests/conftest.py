@@ -24,6 +24,20 @@ from scheduler import ledger
 from tests.support import SERVER_URL_ENV, FakeMonotonic, Recorder, with_database
 
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+SLOWEST_FIRST = ("tests/fleet/", "tests/simulation/", "tests/integration/", "tests/unit/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run, the slowest tier is handed out first: the minutes of the fleet
+    tier overlap the rest instead of trailing it. A serial run keeps testpaths' order."""
+    if not config.getoption("numprocesses", default=None):
+        return
+
+    def tier(item: pytest.Item) -> int:
+        path = item.nodeid
+        return next((i for i, p in enumerate(SLOWEST_FIRST) if path.startswith(p)), 0)
+
+    items.sort(key=tier)  # stable: each tier keeps its own order
 
 
 def _answers(url: str) -> bool:
