@@ -13,10 +13,12 @@ backend, does each step in order (`Gate.step`):
   `scheduler_claim`), scheduled ones before manual and caught-up ones;
 - look for due retries (`retries.py`; `scheduler_claim_retries`);
 - at each heartbeat, check the lock invariant: every lock this session holds
-  with no run here is given back (`Gate._give_back`; `release_strays`), as
-  after any failed call that may have taken locks.
+  with no run here is given back (`strays.py`; `release_strays`), as after any
+  failed call that may have taken locks.
 
-Runs execute on worker threads (`runs.py`, `scheduler.gate.workers`). The backends
+The helpers answer; the dispatcher acts: a claim returns the runs it won and
+the dispatcher starts them (`table.py` hands them to worker threads, where
+each runs to its ending; `runs.py`, `scheduler.gate.workers`). The backends
 implement the steps under the names used here (PostgreSQL:
 `backends/postgres.sql`; one host: `backends/embedded.py`). Time is passed in
 (`clock`, `monotonic`), so this logic can be driven in tests without sleeping.
@@ -27,31 +29,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import select
 import selectors
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from datetime import UTC, datetime
 
 from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
-from scheduler.config.schedules import format_duration
 from scheduler.errors import one_line
-from scheduler.gate.claims import Claims, Won, claim_request
+from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
+from scheduler.gate.manual import ManualTicks, RequestDesk
+from scheduler.gate.plumbing import Emitter, Waker
 from scheduler.gate.retries import RetryLook
-from scheduler.gate.runner import execute
-from scheduler.gate.runs import ManualResult, Run, prepare
+from scheduler.gate.runs import ManualResult, Run
 from scheduler.gate.session import Backoff, LockSession
+from scheduler.gate.strays import StrayLocks
+from scheduler.gate.table import Pool, RunTable
 from scheduler.gate.ticks import Running, TickQueue
 from scheduler.gate.workers import Workers
-from scheduler.ledger import RunRequest
 from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob
-from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status
 
 log = logging.getLogger("scheduler.gate")
 
@@ -91,49 +91,49 @@ class Gate:
         self.backend = backend
         self.desk = desk  # run-now requests from the fleet's commands (None: none taken)
         self.instance = instance
-        self.max_workers = max_workers
         self.holder_timeout = holder_timeout
-        self.listeners = list(listeners)
+        self.emit = Emitter(listeners)
+        self.listeners = self.emit.listeners  # observers may join before the start
+        self.wake = Waker()
         self.clock = clock
         self.monotonic = monotonic
         self.session = LockSession(
             backend,
             holder_timeout,
             monotonic,
-            on_told=self._told,
-            on_up=lambda: self._emit(events.LockSessionUp(self.instance, backend.name)),
+            on_told=lambda generation, reason, first: None,  # the run table's, below
+            on_up=functools.partial(self.emit, events.LockSessionUp(instance, backend.name)),
         )
         self.queue = TickQueue(monotonic)
-        self.claims = Claims(
-            backend,
-            self.session,
-            self.queue,
-            instance=instance,
-            emit=self._emit,
-            start=self._start_runs,
+        self.claims = Claims(backend, self.session, self.queue, instance=instance, emit=self.emit)
+        self.retries = RetryLook(
+            backend, self.session, instance=instance, monotonic=monotonic, clock=clock
         )
         self.finishes = Finishes(
             backend,
             self.session,
             instance=instance,
             monotonic=monotonic,
-            emit=self._emit,
-            wake=self._wake,
-            retry_scheduled=lambda seconds: self.retries.due_in(seconds),
+            emit=self.emit,
+            wake=self.wake,
+            retry_scheduled=self.retries.due_in,
         )
-        self.retries = RetryLook(
-            backend, self.session, instance=instance, monotonic=monotonic, clock=clock
+        self.table = RunTable(
+            instance=instance,
+            max_workers=max_workers,
+            workers=workers or Workers(max_workers),  # a simulation hands runs out itself
+            finishes=self.finishes,
+            emit=self.emit,
+            clock=clock,
+            monotonic=monotonic,
         )
-        self._mutex = threading.Lock()  # the runs and the manual requests
-        self._runs: dict[int, Run] = {}  # job key -> run executing here
-        self._manual: list[tuple[CatalogJob, datetime, Future[ManualResult], Intent]] = []
-        self._stopping_runs = threading.Event()  # one per daemon: every run shares it
+        self.session.on_told = self.table.told  # the runs told are the table's
+        self.manual = ManualTicks(clock)
+        self.strays = StrayLocks(
+            backend, self.session, self.table, instance=instance, emit=self.emit, desk=desk
+        )
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
-        self._workers = workers or Workers(max_workers)  # a simulation hands runs out itself
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._last_loop = monotonic()
 
@@ -146,14 +146,14 @@ class Gate:
     def submit_all(self, jobs: Sequence[CatalogJob], scheduled_at: datetime) -> None:
         """Queue the same tick of several jobs (jobs on one schedule fire together)."""
         if self.queue.add(jobs, scheduled_at):
-            self._wake()
+            self.wake()
 
     @contextlib.contextmanager
     def burst(self) -> Iterator[None]:
         """Ticks submitted inside are claimed together, once the burst is complete."""
         with self.queue.burst():
             yield
-        self._wake()
+        self.wake()
 
     def reloaded(self, current: Callable[[int], CatalogJob | None]) -> None:
         """A reload took effect: queued ticks of jobs no longer scheduled here are dropped,
@@ -165,8 +165,8 @@ class Gate:
     def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
         """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
         result: Future[ManualResult] = Future()
-        self._queue_manual(job, result)
-        self._wake()
+        self.manual.add(job, result)
+        self.wake()
         deadline = None if timeout is None else self.monotonic() + timeout
         while not result.done():  # awake every second for a signal's handler (Daemon.run)
             left = 1.0 if deadline is None else min(1.0, deadline - self.monotonic())
@@ -184,8 +184,8 @@ class Gate:
         the job's catch_up_window.
         """
         result: Future[ManualResult] = Future()
-        self._queue_manual(job, result, tick, Intent.CATCH_UP)
-        self._wake()
+        self.manual.add(job, result, tick, Intent.CATCH_UP)
+        self.wake()
         while not self._stopped.is_set():
             with contextlib.suppress(TimeoutError):
                 return result.result(timeout=1.0)
@@ -194,15 +194,14 @@ class Gate:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gate", daemon=True)
         watchdog = threading.Thread(
-            target=self.session.watch, args=(self._stopped, self._wake), name="gate-watchdog"
+            target=self.session.watch, args=(self._stopped, self.wake), name="gate-watchdog"
         )
         watchdog.daemon = True
         self._thread.start()
         watchdog.start()
 
     def running_jobs(self) -> list[str]:
-        with self._mutex:
-            return [run.job.name for run in self._runs.values()]
+        return self.table.names()
 
     @property
     def connected(self) -> bool:
@@ -224,44 +223,38 @@ class Gate:
         still goes on believing it holds the lock).
         """
         self.queue.close()
-        with self._stepping, self._mutex:  # a claim on its way may still start runs
-            runs = list(self._runs.values())
-        self._stopping_runs.set()
+        with self._stepping:  # a claim on its way may still start runs
+            runs = self.table.runs()
+        self.table.stopping.set()
         deadline = self.monotonic() + grace
         if runs:
-            self._workers.wait(timeout=max(0.0, deadline - self.monotonic()))
+            self.table.workers.wait(timeout=max(0.0, deadline - self.monotonic()))
         self._flush_finishes(deadline)
-        with self._mutex:
-            abandoned = [run for run in self._runs.values() if run.ended is None]
-        if abandoned:
+        if any(run.ended is None for run in self.table.runs()):
             self.session.tell("still running when shutdown_grace ran out")
-            for run in abandoned:
-                run.abandoned = True  # its lock goes with the process, not with its finish
-                self.finishes.ended(run, Status.CRASHED, CRASHED_AT_SHUTDOWN.format(grace=grace))
+        abandoned = self.table.abandon(grace)
         self._flush_finishes(self.monotonic() + max(5.0, self.session.heartbeat_every))
         self._stopped.set()
-        self._wake()
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if not abandoned:
             self.backend.close()
-            self._workers.shutdown()
+            self.table.workers.shutdown()
         return [run.job.name for run in abandoned]
 
     def _flush_finishes(self, deadline: float) -> None:
         while self.monotonic() < deadline:
-            with self._mutex:
-                ended = any(run.ended for run in self._runs.values())
-            if not ended and not self.finishes.pending():
+            if not self.table.any_ended() and not self.finishes.pending():
                 return
-            self._wake()
+            self.wake()
             self._stopped.wait(0.02)
 
     # -- the dispatcher thread -------------------------------------------------------
 
     def _loop(self) -> None:
         selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ)
+        selector.register(self.wake.fileno, selectors.EVENT_READ)
         watched: tuple[int, int] | None = None  # (session, socket) being watched
         while not self._stopped.is_set():
             self._last_loop = self.monotonic()
@@ -275,8 +268,8 @@ class Gate:
                 watched = current
             try:
                 for key, _ in selector.select(self._wait_time()):
-                    if key.fd == self._wake_r:
-                        self._drain_wake()
+                    if key.fd == self.wake.fileno:
+                        self.wake.drain()
                 self.step()
             except Exception:
                 log.exception("gate loop error (continuing)")
@@ -290,14 +283,13 @@ class Gate:
         now = self.monotonic()
         if self.finishes.pending():
             wait = min(wait, max(0.0, self.finishes.paused_until - now))
-        with self._mutex:
-            if self._manual:
-                return 0.0
-        due = self.queue.next_due(self._free_slots())
+        if self.manual.pending():
+            return 0.0
+        due = self.queue.next_due(self.table.free_slots())
         if due is not None:
             wait = min(wait, max(0.0, due - now))
         retry = self.retries.wait()
-        if retry is not None and self._free_slots() > 0:
+        if retry is not None and self.table.free_slots() > 0:
             wait = min(wait, retry)
         if self.desk is not None and not self.backend.notifies_requests:
             wait = min(wait, REQUESTS_LOOK_EVERY)  # no server notifies this backend of them
@@ -309,7 +301,7 @@ class Gate:
             self._step()
 
     def _step(self) -> None:
-        session = self.session
+        session, strays = self.session, self.strays
         if not session.ensure():
             return
         if self._server_said_something():
@@ -322,55 +314,15 @@ class Gate:
         # Oldest first: ticks caught up after downtime, then the scheduled ones, then
         # run-now requests, so that a run-now taken in the same step never takes a due
         # tick's place (its lock would make the tick `skipped`).
-        self._guard(lambda: self._locking(lambda: self._claim_manual(CAUGHT_UP), "catch-up"))
-        self._guard(
-            lambda: self._locking(
-                lambda: self.claims.queued(self._free_slots(), self._running), "claim"
-            )
-        )
-        self._guard(lambda: self._locking(lambda: self._claim_manual(ASKED), "run-now claim"))
-        self._guard(lambda: self._locking(self._claim_retries, "look for due retries"))
+        self._guard(lambda: strays.after(lambda: self._claim_manual(CAUGHT_UP), "catch-up"))
+        self._guard(lambda: strays.after(self._claim_queued, "claim"))
+        self._guard(lambda: strays.after(lambda: self._claim_manual(ASKED), "run-now claim"))
+        self._guard(lambda: strays.after(self._claim_retries, "look for due retries"))
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
             self.retries.due_in(self.backend.retry_due_in())
-            if not self._stopping_runs.is_set():  # runs abandoned at shutdown keep theirs
-                self._guard(lambda: self._give_back(after=None))
-
-    def _locking(self, action: Callable[[], bool], what: str) -> None:
-        """A step whose calls may take locks: if one failed, what it left is given back."""
-        if action():
-            self._give_back(after=what)
-
-    def _expected_locks(self) -> set[int]:
-        """The jobs whose lock this session should hold: those it runs (the lock invariant)."""
-        opened = self.session.opened
-        with self._mutex:
-            return {key for key, run in self._runs.items() if run.session == opened}
-
-    def _give_back(self, after: str | None) -> None:
-        """Release every lock this session holds with no run of its job here.
-
-        After a failed call (`after` names it), that is what the call left behind:
-        advisory locks outlive the rollback of the transaction that took them. At
-        the heartbeat (`after` None) it is the lock invariant's check, and whatever
-        it finds is a fault, reported and counted. No claim is in flight meanwhile:
-        the dispatcher alone talks to the backend. A session that cannot do this
-        is given up, which releases every lock.
-        """
-        expected = self._expected_locks()
-        try:
-            released = self.session.round_trip(lambda: self.backend.release_strays(expected))
-        except SessionLost:
-            raise
-        except Exception as exc:
-            raise SessionLost(f"cannot give back stray locks ({one_line(exc)})") from None
-        assert isinstance(released, list)
-        if released:
-            desk = self.desk
-            named = tuple(
-                (key, job.name if (job := desk and desk.job(key)) else None) for key in released
-            )
-            self._emit(events.LocksReleased(self.instance, named, after))
+            if not self.table.stopping.is_set():  # runs abandoned at shutdown keep theirs
+                self._guard(lambda: strays.give_back(after=None))
 
     def _server_said_something(self) -> bool:
         """Between our calls the server only speaks to end the session (or to notify)."""
@@ -386,18 +338,9 @@ class Gate:
         except SessionLost as exc:
             self.session.lose(str(exc))
 
-    def _told(self, generation: int, reason: str, first: bool) -> None:
-        """The runs of `generation` were told their lock is lost (LockSession.tell)."""
-        with self._mutex:
-            told = [r.job.name for r in self._runs.values() if r.generation.number == generation]
-        if first or told:
-            self._emit(events.LockSessionLost(self.instance, reason, tuple(told)))
-
     def _record_finishes(self) -> None:
         for run in self.finishes.record():
-            with self._mutex:
-                if self._runs.get(run.job.key) is run:
-                    del self._runs[run.job.key]
+            self.table.recorded(run)
             if run.job.retries:
                 # A look for retries leaves out the jobs running here, and so forgets when
                 # their retries fall due: one that fell due while this run went on (its
@@ -405,40 +348,18 @@ class Gate:
                 self.retries.due_in(0)
 
     def _take_requests(self) -> None:
-        """Run-now requests for jobs of this replica: each becomes a manual tick here."""
         desk = self.desk
-        if desk is None or self._stopping_runs.is_set() or not self.backend.requests_pending():
+        if desk is None or self.table.stopping.is_set() or not self.backend.requests_pending():
             return
-        taken = self.session.round_trip(
-            lambda: self.backend.take_requests(self.instance, desk.keys())
-        )
-        assert isinstance(taken, list)
-        for request in taken:
-            job = desk.job(request.key)
-            result: Future[ManualResult] = Future()
-            result.add_done_callback(functools.partial(_settle, desk, request))
-            if job is None:  # reloaded away between the take and now
-                result.set_result(ManualResult(Outcome.LOST, error="no such job here any more"))
-                continue
-            log.info(
-                "run-now: %s, asked by %s (request %d)", job.name, request.requested_by, request.id
-            )
-            self._queue_manual(job, result)
+        self.manual.take_requests(self.backend, self.session, desk, self.instance)
 
-    def _queue_manual(
-        self,
-        job: CatalogJob,
-        result: Future[ManualResult],
-        tick: datetime | None = None,
-        intent: Intent = Intent.MANUAL,
-    ) -> None:
-        """A tick claimed lock first by the claim step: a manual one has a tick of its own,
-        "now", to the millisecond; a caught-up one, its missed tick."""
-        if tick is None:
-            now = self.clock()
-            tick = now.replace(microsecond=now.microsecond // 1000 * 1000)
-        with self._mutex:
-            self._manual.append((job, tick, result, intent))
+    def _claim_queued(self) -> bool:
+        """Claim the queued ticks; each batch's runs start as soon as its answer comes."""
+        failed, session = False, self.session
+        for claimed in self.claims.queued(self.table.free_slots(), self.table.running):
+            self.table.start(claimed.won, session.generation, session.opened)
+            failed = failed or claimed.failed
+        return failed
 
     def _claim_manual(self, intents: frozenset[Intent]) -> bool:
         """Claim the queued manual ticks of these intents (run-now, caught-up); returns
@@ -448,31 +369,28 @@ class Gate:
         left the job's lock taken, and a second claim of that job would take it again
         on top (advisory locks stack), beyond what the give-back after it leaves.
         """
-        with self._mutex:
-            manual = [entry for entry in self._manual if entry[3] in intents]
-            self._manual = [entry for entry in self._manual if entry[3] not in intents]
-        failed = False
-        for i, (job, tick, result, intent) in enumerate(manual):
-            if failed:
-                with self._mutex:
-                    self._manual[:0] = manual[i:]
-                break
-            if self._stopping_runs.is_set():  # shutting down: nothing new starts here
-                result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
-                continue
-            if intent is Intent.CATCH_UP and not self._still_enabled(job):
-                result.set_result(ManualResult(Outcome.LOST, error="disabled by a reload"))
-                continue
-            if job.key in self._runs:
-                result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
-                continue
-            try:
-                failed = self.claims.manual(job, tick, result, intent)
-            except SessionLost:
-                with self._mutex:  # this one and every one after it wait for the next session
-                    self._manual[:0] = manual[i:]
-                raise
-        return failed
+        manual = self.manual.take(intents)
+        for i, m in enumerate(manual):
+            if self.table.stopping.is_set():  # shutting down: nothing new starts here
+                m.result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
+            elif m.intent is Intent.CATCH_UP and not self._still_enabled(m.job):
+                m.result.set_result(ManualResult(Outcome.LOST, error="disabled by a reload"))
+            elif self.table.running(m.job.key) is not Running.NOT:
+                m.result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
+            else:
+                try:
+                    claimed = self.claims.manual(m.job, m.tick, m.result, m.intent)
+                except SessionLost:
+                    self.manual.put_back(manual[i:])  # they wait for the next session
+                    raise
+                session, caught_up = self.session, m.intent is Intent.CATCH_UP
+                self.table.start(
+                    claimed.won, session.generation, session.opened, m.result, caught_up
+                )
+                if claimed.failed:
+                    self.manual.put_back(manual[i + 1 :])
+                    return True
+        return False
 
     def _still_enabled(self, job: CatalogJob) -> bool:
         """Whether the catalog in force now (after any reload) has the job enabled."""
@@ -485,147 +403,20 @@ class Gate:
         Returns whether the look failed or took a lock no run here holds.
         """
         desk = self.desk
-        if desk is None or self._stopping_runs.is_set():
+        if desk is None or self.table.stopping.is_set():
             return False
-        known = desk.enabled_keys()
-        with self._mutex:
-            keys = [key for key in known if key not in self._runs]
+        running = self.table.running_keys()
+        keys = [key for key in desk.enabled_keys() if key not in running]
         try:
-            won, gone = self.retries.take(desk, keys, self._free_slots())
+            won, gone = self.retries.take(desk, keys, self.table.free_slots())
         except SessionLost:
             raise
         except Exception as exc:
             log.warning("looking for due retries failed (%s); looking again shortly", one_line(exc))
             self.retries.due_in(RETRY_LOOK_AGAIN)
             return True
-        self._start_runs(won, None)
+        self.table.start(won, self.session.generation, self.session.opened)
         return bool(gone)
 
-    # -- runs ------------------------------------------------------------------------
 
-    def _free_slots(self) -> int:
-        with self._mutex:
-            return self.max_workers - len(self._runs)
-
-    def _running(self, key: int) -> Running:
-        run = self._runs.get(key)
-        if run is None:
-            return Running.NOT
-        return Running.LOST if run.generation.lock_lost.is_set() else Running.HERE
-
-    def _start_runs(
-        self, won: Won, manual: Future[ManualResult] | None, caught_up: bool = False
-    ) -> None:
-        """Hand the runs to workers; each worker reports its own start.
-
-        Everything a run needs is prepared first and the hand-over is one
-        tight loop: a worker woken early competes with the dispatcher for the
-        interpreter, and would otherwise slow the start of the rest of a burst.
-        """
-        if not won:
-            return
-        generation, opened, now = self.session.generation, self.session.opened, self.monotonic()
-        ready = [
-            prepare(
-                job,
-                result,
-                instance=self.instance,
-                generation=generation,
-                session=opened,
-                stopping=self._stopping_runs,
-                started=now,
-                clock=self.clock,
-                manual=manual,
-                caught_up=caught_up,
-            )
-            for job, result in won
-        ]
-        with self._mutex:
-            for run, _ in ready:
-                self._runs[run.job.key] = run
-        run_one = self._execute
-        self._workers.submit_all([(run_one, (run, started)) for run, started in ready])
-
-    def _execute(self, run: Run, started: events.RunStarted) -> None:
-        self._emit(started)  # listeners are thread-safe
-        timeout = run.job.timeout
-        timer = None
-        if timeout is not None:  # only jobs with a timeout pay for a timer thread
-            timer = threading.Timer(timeout.total_seconds(), self._time_out, (run, timeout))
-            timer.daemon = True
-            timer.start()
-        status, error = execute(run.job.spec, run.ctx)
-        if timer is not None:
-            timer.cancel()
-        if timeout is not None and run.ctx.timed_out.is_set():
-            status, error = Status.FAILED, TIMED_OUT.format(timeout=format_duration(timeout))
-        self.finishes.ended(run, status, error)
-
-    def _time_out(self, run: Run, timeout: timedelta) -> None:
-        """The run passed its job's timeout: told now; it keeps the lock until it returns."""
-        run.ctx.timed_out.set()
-        ctx = run.ctx
-        seconds = timeout.total_seconds()
-        self._emit(
-            events.RunTimedOut(
-                ctx.job_name, ctx.key, ctx.scheduled_at, ctx.run_id, self.instance, seconds
-            )
-        )
-
-    # -- plumbing --------------------------------------------------------------------
-
-    def _emit(self, event: events.Event) -> None:
-        for listener in self.listeners:
-            try:
-                listener(event)
-            except Exception:
-                log.exception("listener %r failed on %s", listener, type(event).__name__)
-
-    def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # the pipe is full: already awake
-            os.write(self._wake_w, b"\0")
-
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_r, 4096):
-                pass
-
-
-class Pool(Protocol):
-    """Where runs execute (scheduler.gate.workers.Workers; a test may run them when it chooses)."""
-
-    def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-    def shutdown(self) -> None: ...
-
-
-class RequestDesk(Protocol):
-    """Run-now requests (scheduler.fleet.run_now.Desk): the jobs this replica may take, and
-    where an outcome goes (written on the ledger session, from the thread that ends it)."""
-
-    def keys(self) -> list[int]: ...
-
-    def enabled_keys(self) -> list[int]: ...
-
-    def job(self, key: int) -> CatalogJob | None: ...
-
-    def settle(
-        self,
-        request: RunRequest,
-        outcome: str,
-        status: str | None,
-        run_id: int | None,
-        error: str | None,
-    ) -> None: ...
-
-
-def _settle(desk: RequestDesk, request: RunRequest, done: Future[ManualResult]) -> None:
-    result = done.result()
-    held = f"held by {result.holder}" if result.holder else None
-    status = None if result.status is None else str(result.status)
-    desk.settle(request, str(result.outcome), status, result.run_id, result.error or held)
-
-
-__all__ = ["Backoff", "Gate", "ManualResult", "Run", "claim_request", "utc_now"]
+__all__ = ["Backoff", "Claimed", "Gate", "ManualResult", "Run", "claim_request", "utc_now"]

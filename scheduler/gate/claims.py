@@ -1,20 +1,22 @@
 """Claims: the queued ticks offered to the backend, one round trip per batch (step 2).
 
-What comes back is acted on at once: runs start (before any bookkeeping,
-their lateness is what counts), ticks deferred for lack of workers or left
-to another replica's share go back to the queue, skipped, missed and paused
-ticks are reported. A claim that fails for another reason than a lost session
-is logged and its ticks go back to the queue; it may have left locks it took
-(advisory locks outlive a rollback), so each entry point says whether a claim
-failed, and the gate gives back what no run of it holds (`Gate._give_back`).
+What comes back is returned to the dispatcher at once, the ticks won first
+(it starts their runs before any bookkeeping: their lateness is what counts);
+then ticks deferred for lack of workers or left to another replica's share go
+back to the queue, and skipped, missed and paused ticks are reported. A claim
+that fails for another reason than a lost session is logged and its ticks go
+back to the queue; it may have left locks it took (advisory locks outlive a
+rollback), so each answer says whether a claim failed, and the gate gives back
+what no run of it holds (`StrayLocks`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from datetime import datetime
+from typing import NamedTuple
 
 from scheduler.backends.base import (
     ClaimRequest,
@@ -25,7 +27,7 @@ from scheduler.backends.base import (
     SessionLost,
 )
 from scheduler.errors import one_line
-from scheduler.gate.runs import ManualResult
+from scheduler.gate.runs import ManualResult, Won
 from scheduler.gate.session import LockSession
 from scheduler.gate.ticks import Batch, Running, TickQueue
 from scheduler.observers import events
@@ -35,7 +37,13 @@ log = logging.getLogger("scheduler.gate")
 
 YIELDED_RETRY = 0.1  # seconds before trying a tick left to another replica's share
 
-Won = list[tuple[CatalogJob, ClaimResult]]
+
+class Claimed(NamedTuple):
+    """A claim's answer to the dispatcher: the runs to start, and whether a claim failed
+    (it may have left locks behind)."""
+
+    won: Won
+    failed: bool
 
 
 def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
@@ -61,24 +69,20 @@ class Claims:
         *,
         instance: str,
         emit: Callable[[events.Event], None],
-        start: Callable[[Won, Future[ManualResult] | None, bool], None],
     ) -> None:
         self.backend = backend
         self.session = session
         self.queue = queue
         self.instance = instance
         self.emit = emit
-        self.start = start  # hands won runs to the workers
 
-    def queued(self, free: int, running: Callable[[int], Running]) -> bool:
+    def queued(self, free: int, running: Callable[[int], Running]) -> Iterator[Claimed]:
         """Claim the queued ticks: the healthy ones in one round trip, failed ones apart.
 
-        Returns whether a claim failed (it may have left locks behind).
+        Yields each batch's answer as soon as it comes, before its bookkeeping.
         """
-        failed = False
         for batch in self.queue.take(free, running):
-            failed = self._batch(batch, free) or failed
-        return failed
+            yield from self._batch(batch, free)
 
     def manual(
         self,
@@ -86,11 +90,11 @@ class Claims:
         tick: datetime,
         result: Future[ManualResult],
         intent: Intent = Intent.MANUAL,
-    ) -> bool:
+    ) -> Claimed:
         """`scheduler trigger` (its own tick, "now"), or a caught-up tick: lock first.
 
-        Returns whether the claim failed (the outcome is then `error`: nothing was
-        decided, and the caller may ask again).
+        A won tick's outcome is settled when its run ends (`result` goes with it); a
+        failed claim's outcome is `error`: nothing was decided, the caller may ask again.
         """
         try:
             (claimed,) = self._claim([claim_request(job, tick, intent)], capacity=1)
@@ -105,15 +109,14 @@ class Claims:
                 one_line(exc),
             )
             result.set_result(ManualResult(Outcome.ERROR, error=one_line(exc)))
-            return True
+            return Claimed([], failed=True)
         if claimed.outcome is Outcome.RUN:
-            self.start([(job, claimed)], result, intent is Intent.CATCH_UP)
-        else:
-            result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
-            self._report(job, claimed)
-        return False
+            return Claimed([(job, claimed)], failed=False)
+        result.set_result(ManualResult(claimed.outcome, holder=claimed.holder))
+        self._report(job, claimed)
+        return Claimed([], failed=False)
 
-    def _batch(self, batch: Batch, capacity: int) -> bool:
+    def _batch(self, batch: Batch, capacity: int) -> Iterator[Claimed]:
         requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
         try:
             results = self._claim(requests, capacity)
@@ -126,9 +129,10 @@ class Claims:
                 "claiming %d tick(s) failed (%s); trying again shortly", len(requests), failure
             )
             self.queue.put_back(batch.entries, failed=True)
-            return True
+            yield Claimed([], failed=True)
+            return
         jobs = {job.key: job for job, _, _ in batch.requests}
-        self.start([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], None, False)
+        yield Claimed([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], False)
         deferred, yielded = [], []
         for result in results:
             job = jobs[result.key]
@@ -140,7 +144,6 @@ class Claims:
                 self._report(job, result)
         self.queue.requeue(deferred)
         self.queue.requeue(yielded, delay=YIELDED_RETRY)
-        return False
 
     def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
         results = self.session.round_trip(

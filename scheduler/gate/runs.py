@@ -16,6 +16,9 @@ from scheduler.registry.catalog import CatalogJob
 from scheduler.registry.context import RunContext
 from scheduler.statuses import Status, Told
 
+# The ticks a claim won, each with its job: runs to start.
+Won = list[tuple[CatalogJob, ClaimResult]]
+
 
 @dataclass(frozen=True)
 class ManualResult:

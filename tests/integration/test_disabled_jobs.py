@@ -86,7 +86,7 @@ def test_a_pending_retry_of_a_job_disabled_by_a_reload_is_not_taken(backends):
         clock.now += 1
         gate.step()
     assert attempts == [1]
-    assert not gate._runs
+    assert not gate.table.running_keys()
 
 
 def test_a_tick_deferred_before_the_reload_is_dropped(backends):
@@ -98,14 +98,14 @@ def test_a_tick_deferred_before_the_reload_is_dropped(backends):
     try:
         tick = now_tick()
         gate.submit_all((busy, waiting), tick)
-        settle(gate, lambda: 1511 in gate._runs, "the busy run")
+        settle(gate, lambda: 1511 in gate.table.running_keys(), "the busy run")
         assert len(gate.queue) == 1  # waiting's tick: no free worker for it yet
         catalog.disable(1512)
         gate.reloaded(catalog.job)
         assert len(gate.queue) == 0
     finally:
         release.set()
-    settle(gate, lambda: not gate._runs, "the busy run to end")
+    settle(gate, lambda: not gate.table.running_keys(), "the busy run to end")
     for _ in range(5):
         clock.now += 1
         gate.step()

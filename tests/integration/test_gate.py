@@ -51,7 +51,7 @@ def test_a_killed_lock_session_sets_lock_lost_and_the_gate_reconnects(gate_facto
     gate, seen, _ = gate_factory()
     gate.submit(job, now_tick())
     settle(gate, lambda: seen.of(events.RunStarted), "the run to start")
-    run = next(iter(gate._runs.values()))
+    run = next(iter(gate.table.runs()))
     with psycopg.connect(database_url, autocommit=True) as admin:
         admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
@@ -74,7 +74,7 @@ def test_no_round_trip_within_holder_timeout_means_the_locks_are_lost(gate_facto
     gate, seen, clock = gate_factory(holder_timeout=6)
     gate.submit(job, now_tick())
     settle(gate, lambda: seen.of(events.RunStarted), "the run to start")
-    run = next(iter(gate._runs.values()))
+    run = next(iter(gate.table.runs()))
     clock.now += 7  # as after a SIGSTOP: the server has ended the session by now
     gate.step()
     assert run.ctx.lock_lost.is_set()

@@ -97,7 +97,7 @@ def test_a_statement_timeout_is_not_a_lost_session(gate_factory, database_url):
     ledger.track_jobs(gate.backend.ledger_engine, [(721, "holder", "every 1s")], datetime.now(UTC))
     gate.submit(blocking, now_tick(-1))
     settle(gate, lambda: seen.of(events.RunStarted), "the run to start")
-    run = next(iter(gate._runs.values()))
+    run = next(iter(gate.table.runs()))
     with psycopg.connect(database_url) as blocker:
         blocker.execute("SELECT 1 FROM scheduler_jobs WHERE job_key = 721 FOR UPDATE")
         gate.submit(blocking, now_tick())

@@ -86,7 +86,7 @@ class Replica:
         return {key for (key,) in rows}
 
     def running_here(self) -> set[int]:
-        return set(self.gate._runs)
+        return self.gate.table.running_keys()
 
     def assert_invariant(self, where: str) -> None:
         assert self.held() <= self.running_here(), (
@@ -144,7 +144,7 @@ def replica(request, tmp_path) -> Iterator[Replica]:
         yield replica
     finally:
         fail(None)
-        gate._stopping_runs.set()
+        gate.table.stopping.set()
         backend.close()
         if isinstance(backend, PostgresBackend):
             backend.ledger_engine.dispose()
@@ -206,7 +206,7 @@ def busy_job(replica: Replica) -> Iterator[None]:
     release = threading.Event()
     job = make_job(900, lambda ctx: release.wait(300), name="busy")
     replica.gate.submit(job, now_tick(-1))
-    settle(replica.gate, lambda: 900 in replica.gate._runs, "the busy run to start")
+    settle(replica.gate, lambda: 900 in replica.gate.table.running_keys(), "the busy run to start")
     try:
         yield
         assert 900 in replica.held()
@@ -257,7 +257,7 @@ def _scheduled_claim_failing(
     replica.assert_invariant(f"scheduled claim failing at {point}")
     _said_failed(replica, caplog, f"scheduled claim failing at {point}")
     replica.fail(None)
-    settled = lambda: key not in replica.gate._runs and not replica.gate.queue  # noqa: E731
+    settled = lambda: key not in replica.gate.table.running_keys() and not replica.gate.queue  # noqa: E731
     _drive(replica, settled, f"the claim of {job.name} to settle")
     replica.assert_invariant(f"after the claim failing at {point} was tried again")
 
@@ -282,7 +282,7 @@ def _manual_claim_failing(
     else:
         asked = threading.Thread(target=gate.trigger, args=(job, 20), daemon=True)
     asked.start()
-    wait_for(lambda: gate._manual, 10, "the request to be queued")
+    wait_for(lambda: gate.manual.pending(), 10, "the request to be queued")
     _said_failed(replica, caplog, "before")
     gate.step()
     replica.assert_invariant(f"{intent} claim failing at {point}")
@@ -312,7 +312,14 @@ def _retry_claim_failing(
     gate = replica.gate
     gate.desk = _Desk([job])
     gate.submit(job, now_tick())
-    failed = lambda: attempts == [1] and key not in gate._runs and _retry_pending(replica, key)  # noqa: E731
+
+    def failed() -> bool:
+        return (
+            attempts == [1]
+            and key not in gate.table.running_keys()
+            and _retry_pending(replica, key)
+        )
+
     _drive(replica, failed, "the first attempt to fail")
     _stale_row(replica, key, job.name)
     _retry_due_now(replica, key)
@@ -327,7 +334,7 @@ def _retry_claim_failing(
     def taken() -> bool:
         if point == REPLY_LOST:  # the attempt was started, but this replica never knew
             return not _retry_pending(replica, key)
-        return attempts == [1, 2] and key not in gate._runs
+        return attempts == [1, 2] and key not in gate.table.running_keys()
 
     _drive(replica, taken, "the retry to be taken")
     replica.assert_invariant(f"after the retry claim failing at {point}")

@@ -135,7 +135,7 @@ def locks_follow_runs(world: World) -> None:
     held = world.site.held([r.proxy for r in world.replicas])
     for replica in world.replicas:
         mine = held.get(id(replica.proxy), set())
-        running = set(replica.gate._runs)
+        running = replica.gate.table.running_keys()
         if not mine <= running:
             raise Violation(
                 "locks_follow_runs",

@@ -398,7 +398,7 @@ class World:
             return
         gate = old.gate
         gate.queue.close()
-        gate._stopping_runs.set()
+        gate.table.stopping.set()
         old.proxy.armed = None
         for sim in self.live_runs():
             if sim.replica is old:
@@ -406,7 +406,7 @@ class World:
                 gate.finishes.ended(sim.run, Status.INTERRUPTED, "stopping")
         for _ in range(3):
             self._step_one(old)
-            if not gate._runs:
+            if not gate.table.running_keys():
                 break
         self._gone(old)
         self.replicas[index] = self.add_replica(old.name, step.b % 3, old.skew)
@@ -466,7 +466,7 @@ class World:
         job = replica.catalog.get(jobs.KEYS[step.b % len(jobs.KEYS)])
         if job is None or replica.frozen(self.t):
             return
-        replica.gate._queue_manual(job, Future())
+        replica.gate.manual.add(job, Future())
         self.faults.update(["run_now"])
 
     def _retry_due(self, step: Step) -> None:
@@ -490,7 +490,7 @@ class World:
         if replica.frozen(self.t):
             return
         assert job.trigger is not None
-        if any(entry[0].key == job.key for entry in replica.gate._manual):
+        if replica.gate.manual.has(job.key):
             return  # one pass per job at a time, each tick claimed once the last has answered
         t = ledger.ticks
         with self.site.engine.connect() as conn:
@@ -501,7 +501,7 @@ class World:
         to_run, _ = catch_up.plan(job, mine, self.now(), self.start, have)
         if not to_run:
             return
-        replica.gate._queue_manual(job, Future(), to_run[step.b % len(to_run)], Intent.CATCH_UP)
+        replica.gate.manual.add(job, Future(), to_run[step.b % len(to_run)], Intent.CATCH_UP)
         if step.c % 2 and replica.proxy.armed is None:  # a fault waits for its claim
             fault = CALL_FAULTS[(step.c >> 1) % len(CALL_FAULTS)]
             replica.proxy.armed = (fault, step.c >> 4, "claim")
@@ -535,7 +535,7 @@ class World:
 
     def close(self) -> None:
         for replica in self.replicas:
-            replica.gate._stopping_runs.set()
+            replica.gate.table.stopping.set()
             replica.proxy._real.close()
 
 

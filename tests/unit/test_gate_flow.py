@@ -372,7 +372,7 @@ def test_a_tick_caught_up_after_downtime_is_claimed_before_a_due_one(gate_over_f
     gate, seen, _, _ = gate_over_file()
     job = make_job(95, lambda ctx: None, name="backlog")
     old, due = now_tick(-10), now_tick()
-    gate._queue_manual(job, Future(), old, Intent.CATCH_UP)
+    gate.manual.add(job, Future(), old, Intent.CATCH_UP)
     gate.submit(job, due)
     settle(gate, lambda: seen.of(events.RunStarted), "a run")
     assert seen.of(events.RunStarted)[0].scheduled_at == old
