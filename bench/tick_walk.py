@@ -8,7 +8,8 @@ profiler on every thread records each call from one file of `scheduler/` into
 another. Printed: the files entered; the moves (distinct hops from a function
 of one file into a function of another); and the callbacks up into the gate
 (hops from another file into a method of `Gate`, which a helper makes when
-it calls back instead of returning what to do).
+it calls back instead of returning what to do; the wake-up pipe beside it is
+the dispatcher's door, not a callback).
 
 Run on another tree (a worktree of an earlier commit, say), it imports that
 tree's package: `code_measures.py` prints both side by side.
@@ -113,7 +114,9 @@ def main() -> None:
         trace = walk(server.database_url(database))
     finally:
         server.drop(database)
-    callbacks = sorted({name for where, callee, name in trace.hops if callee == GATE})
+    callbacks = sorted(
+        {name for _, callee, name in trace.hops if callee == GATE and name.startswith("Gate.")}
+    )
     print(
         json.dumps(
             {

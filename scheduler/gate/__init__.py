@@ -13,7 +13,7 @@ backend, does each step in order (`Gate.step`):
   `scheduler_claim`), scheduled ones before manual and caught-up ones;
 - look for due retries (`retries.py`; `scheduler_claim_retries`);
 - at each heartbeat, check the lock invariant: every lock this session holds
-  with no run here is given back (`strays.py`; `release_strays`), as after any
+  with no run here is given back (`LockSession.give_back`; `release_strays`), as after any
   failed call that may have taken locks.
 
 The helpers answer; the dispatcher acts: a claim returns the runs it won and
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import select
 import selectors
 import threading
@@ -42,11 +43,9 @@ from scheduler.errors import one_line
 from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
 from scheduler.gate.manual import ManualTicks, RequestDesk
-from scheduler.gate.plumbing import Emitter, Waker
 from scheduler.gate.retries import RetryLook
 from scheduler.gate.runs import ManualResult, Run
 from scheduler.gate.session import Backoff, LockSession
-from scheduler.gate.strays import StrayLocks
 from scheduler.gate.table import Pool, RunTable
 from scheduler.gate.ticks import Running, TickQueue
 from scheduler.gate.workers import Workers
@@ -66,6 +65,24 @@ Monotonic = Callable[[], float]
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+class Waker:
+    """The dispatcher's pipe: any thread wakes it with one write (its selector watches it)."""
+
+    def __init__(self) -> None:
+        self.fileno, self._write = os.pipe()
+        os.set_blocking(self.fileno, False)
+        os.set_blocking(self._write, False)
+
+    def __call__(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: already awake
+            os.write(self._write, b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fileno, 4096):
+                pass
 
 
 class Gate:
@@ -92,7 +109,7 @@ class Gate:
         self.desk = desk  # run-now requests from the fleet's commands (None: none taken)
         self.instance = instance
         self.holder_timeout = holder_timeout
-        self.emit = Emitter(listeners)
+        self.emit = events.Emitter(listeners)
         self.listeners = self.emit.listeners  # observers may join before the start
         self.wake = Waker()
         self.clock = clock
@@ -129,9 +146,6 @@ class Gate:
         )
         self.session.on_told = self.table.told  # the runs told are the table's
         self.manual = ManualTicks(clock)
-        self.strays = StrayLocks(
-            backend, self.session, self.table, instance=instance, emit=self.emit, desk=desk
-        )
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -301,7 +315,7 @@ class Gate:
             self._step()
 
     def _step(self) -> None:
-        session, strays = self.session, self.strays
+        session = self.session
         if not session.ensure():
             return
         if self._server_said_something():
@@ -314,15 +328,31 @@ class Gate:
         # Oldest first: ticks caught up after downtime, then the scheduled ones, then
         # run-now requests, so that a run-now taken in the same step never takes a due
         # tick's place (its lock would make the tick `skipped`).
-        self._guard(lambda: strays.after(lambda: self._claim_manual(CAUGHT_UP), "catch-up"))
-        self._guard(lambda: strays.after(self._claim_queued, "claim"))
-        self._guard(lambda: strays.after(lambda: self._claim_manual(ASKED), "run-now claim"))
-        self._guard(lambda: strays.after(self._claim_retries, "look for due retries"))
+        self._guard(lambda: self._failed(self._claim_manual(CAUGHT_UP), "catch-up"))
+        self._guard(lambda: self._failed(self._claim_queued(), "claim"))
+        self._guard(lambda: self._failed(self._claim_manual(ASKED), "run-now claim"))
+        self._guard(lambda: self._failed(self._claim_retries(), "look for due retries"))
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
             self.retries.due_in(self.backend.retry_due_in())
             if not self.table.stopping.is_set():  # runs abandoned at shutdown keep theirs
-                self._guard(lambda: strays.give_back(after=None))
+                self._guard(lambda: self._give_back(after=None))
+
+    def _failed(self, failed: bool, what: str) -> None:
+        """A call that may take locks failed: what it left is given back."""
+        if failed:
+            self._give_back(after=what)
+
+    def _give_back(self, after: str | None) -> None:
+        """The lock invariant (`LockSession.give_back`): after a failed call (`after` names
+        it), what the call left; at the heartbeat (`after` None), a fault, reported."""
+        released = self.session.give_back(self.table.expected_locks(self.session.opened))
+        if released:
+            desk = self.desk
+            named = tuple(
+                (key, job.name if (job := desk and desk.job(key)) else None) for key in released
+            )
+            self.emit(events.LocksReleased(self.instance, named, after))
 
     def _server_said_something(self) -> bool:
         """Between our calls the server only speaks to end the session (or to notify)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler.backends.base import LockStore, SessionLost, Unavailable
+from scheduler.errors import one_line
 
 log = logging.getLogger("scheduler.gate")
 
@@ -172,6 +173,22 @@ class LockSession:
         self.tell(reason)
         self.backend.close()
         self._retry_at = self.monotonic() + self._backoff.next_delay()
+
+    def give_back(self, expected: set[int]) -> list[int]:
+        """Release every lock the session holds but `expected` (the jobs it runs): the lock
+        invariant. Advisory locks outlive the rollback of the transaction that took them,
+        so this follows any failed call that may have taken locks, and each heartbeat.
+        No claim is in flight meanwhile: the dispatcher alone talks to the backend. A
+        session that cannot do this is given up, which releases every lock.
+        """
+        try:
+            released = self.round_trip(lambda: self.backend.release_strays(expected))
+        except SessionLost:
+            raise
+        except Exception as exc:
+            raise SessionLost(f"cannot give back stray locks ({one_line(exc)})") from None
+        assert isinstance(released, list)
+        return released
 
     def check_socket(self) -> None:
         """The server spoke between our calls: it is ending the session (raises SessionLost)."""

@@ -7,11 +7,14 @@ all of them, so a new event is a new method with a default that ignores it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from scheduler.statuses import Status
+
+log = logging.getLogger("scheduler.gate")  # a listener's failure, told where the gate logs
 
 
 @dataclass(slots=True)  # not frozen: a frozen class is several times slower to build
@@ -137,6 +140,21 @@ Event = (
     | LocksReleased
 )
 Listener = Callable[[Event], None]
+
+
+class Emitter:
+    """Hands each event to every listener, in order; a listener that fails is logged
+    and the others still hear it (observers never steer the gate)."""
+
+    def __init__(self, listeners: Sequence[Listener] = ()) -> None:
+        self.listeners = list(listeners)
+
+    def __call__(self, event: Event) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("listener %r failed on %s", listener, type(event).__name__)
 
 
 class Observer:
