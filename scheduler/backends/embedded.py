@@ -27,6 +27,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, func, select
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from scheduler import ledger
+from scheduler.backends import filelocks
 from scheduler.backends.base import (
     ClaimRequest,
     ClaimResult,
@@ -171,7 +172,7 @@ class EmbeddedBackend:
     def verify(self) -> None:
         """At start-up: what no retry mends ends it (ConfigError: exit 2, one line)."""
         self.file.refuse_unsafe()
-        live = self.locks.presence_of(self.instance)
+        live = filelocks.presence_of(self.locks.folder, self.instance)
         if live is not None:
             raise ConfigError(
                 f"instance_name {self.instance!r} is in use by a live replica"
@@ -188,7 +189,7 @@ class EmbeddedBackend:
             self.file.set_aside_orphans()
             if self.file.mend_loose(self.monotonic):
                 self.engine.dispose()  # no pooled connection may keep the old file
-            if not self.locks.live_instances():
+            if not filelocks.live_instances(self.locks.folder):
                 self.file.incremental_vacuum_once(self.busy_timeout)
 
     def migrate(self) -> int:
@@ -308,7 +309,7 @@ class EmbeddedBackend:
 
     def live_instances(self, conn: Connection) -> list[dict[str, Any]]:
         out = []
-        for found in self.locks.live_instances():
+        for found in filelocks.live_instances(self.locks.folder):
             since = found.get("since")
             at = datetime.fromtimestamp(since, UTC) if isinstance(since, float | int) else None
             out.append(
@@ -419,7 +420,8 @@ class EmbeddedBackend:
         pid = self.file.write_lock_holder()
         if pid is None:
             return None
-        names = [i["name"] for i in self.locks.live_instances() if i.get("pid") == pid]
+        live = filelocks.live_instances(self.locks.folder)
+        names = [i["name"] for i in live if i.get("pid") == pid]
         who = f"replica {names[0]} (pid {pid})" if names else f"process {pid}"
         state = process_state(pid)
         if not state.startswith("stopped"):

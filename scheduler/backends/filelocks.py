@@ -118,44 +118,8 @@ class FileLocks:
     # -- the folder ---------------------------------------------------------------------
 
     def make_folder(self) -> list[str]:
-        """The lock folders, this user's alone; returns what had to be repaired.
-
-        Refuses (OSError) a folder others could write to or that is not this
-        user's, and a file in it that is not this user's; a folder others could
-        read becomes 0700, a file others could open is replaced by a new one.
-        """
-        repaired = []
-        for folder in (self.folder, self.folder / "instances"):
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            found = os.stat(folder, follow_symlinks=False)
-            if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
-                raise OSError(f"{folder}: not a folder of this user's; remove it")
-            mode = stat.S_IMODE(found.st_mode)
-            if mode & 0o022:
-                raise OSError(
-                    f"{folder}: other users may write to it (mode {mode:o}): "
-                    "any of them could hold a job's lock; remove it or chmod 700 it"
-                )
-            if mode & 0o077:
-                os.chmod(folder, 0o700, follow_symlinks=False)
-                repaired.append(f"{folder} {mode:o} -> 700")
-            repaired += self._repair_files(folder)
-        return repaired
-
-    def _repair_files(self, folder: Path) -> list[str]:
-        repaired = []
-        for path in sorted(folder.glob("*.lock")):
-            try:
-                found = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
-                raise OSError(f"{path}: not a file of this user's; remove it")
-            mode = stat.S_IMODE(found.st_mode)
-            if mode & 0o077:
-                _replace(path)
-                repaired.append(f"{path.name} {mode:o} -> a new file, 600")
-        return repaired
+        """The lock folders, this user's alone; returns what had to be repaired."""
+        return make_folders(self.folder)
 
     def folder_present(self) -> bool:
         return os.path.isdir(self.folder)
@@ -261,21 +225,6 @@ class FileLocks:
                 os.close(fd)
             return True
 
-    def presence_of(self, instance: str) -> dict[str, object] | None:
-        """What a live instance of this name says of itself; None if none is up."""
-        path = self.folder / "instances" / f"{instance}.lock"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _said(fd)
-        finally:
-            os.close(fd)
-        return None
-
     @contextlib.contextmanager
     def alone(self, name: str) -> Iterator[None]:
         """An exclusive flock on a file of the folder (made first), for a step no two
@@ -339,25 +288,6 @@ class FileLocks:
                 _release(self._presence.fd)
                 self._presence = None
             holders.close_session(self._token)
-
-    def live_instances(self) -> list[dict[str, object]]:
-        """Instances whose presence file is held; each with what its file says."""
-        folder = self.folder / "instances"
-        live = []
-        for path in sorted(folder.glob("*.lock")) if _is_dir(folder) else []:
-            try:
-                fd = _open(path, create=False)
-            except OSError:  # gone meanwhile, a dangling link, not ours
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                live.append({"name": path.stem, **_said(fd)})
-            else:
-                path.unlink(missing_ok=True)  # under our exclusive lock: nobody holds it
-            finally:
-                os.close(fd)
-        return live
 
     # -- the keeper ---------------------------------------------------------------------
 
@@ -473,6 +403,84 @@ class FileLocks:
 
 
 _ALL: weakref.WeakSet[FileLocks] = weakref.WeakSet()
+
+
+def make_folders(root: Path) -> list[str]:
+    """The lock folders, this user's alone; returns what had to be repaired.
+
+    Refuses (OSError) a folder others could write to or that is not this
+    user's, and a file in it that is not this user's; a folder others could
+    read becomes 0700, a file others could open is replaced by a new one.
+    """
+    repaired = []
+    for folder in (root, root / "instances"):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found = os.stat(folder, follow_symlinks=False)
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
+            raise OSError(f"{folder}: not a folder of this user's; remove it")
+        mode = stat.S_IMODE(found.st_mode)
+        if mode & 0o022:
+            raise OSError(
+                f"{folder}: other users may write to it (mode {mode:o}): "
+                "any of them could hold a job's lock; remove it or chmod 700 it"
+            )
+        if mode & 0o077:
+            os.chmod(folder, 0o700, follow_symlinks=False)
+            repaired.append(f"{folder} {mode:o} -> 700")
+        repaired += _repair_files(folder)
+    return repaired
+
+
+def _repair_files(folder: Path) -> list[str]:
+    repaired = []
+    for path in sorted(folder.glob("*.lock")):
+        try:
+            found = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+            raise OSError(f"{path}: not a file of this user's; remove it")
+        mode = stat.S_IMODE(found.st_mode)
+        if mode & 0o077:
+            _replace(path)
+            repaired.append(f"{path.name} {mode:o} -> a new file, 600")
+    return repaired
+
+
+def presence_of(folder: Path, instance: str) -> dict[str, object] | None:
+    """What a live instance of this name says of itself; None if none is up."""
+    path = folder / "instances" / f"{instance}.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _said(fd)
+    finally:
+        os.close(fd)
+    return None
+
+
+def live_instances(root: Path) -> list[dict[str, object]]:
+    """Instances whose presence file is held; each with what its file says."""
+    folder = root / "instances"
+    live = []
+    for path in sorted(folder.glob("*.lock")) if _is_dir(folder) else []:
+        try:
+            fd = _open(path, create=False)
+        except OSError:  # gone meanwhile, a dangling link, not ours
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live.append({"name": path.stem, **_said(fd)})
+        else:
+            path.unlink(missing_ok=True)  # under our exclusive lock: nobody holds it
+        finally:
+            os.close(fd)
+    return live
 
 
 def _forget_all_after_fork() -> None:
