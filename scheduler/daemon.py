@@ -5,6 +5,10 @@ times); our executor hands them to the gate instead of running them, so no
 tick ever runs without passing the gate. Signals: the first SIGTERM/SIGINT
 stops new runs, waits up to `shutdown_grace` and releases every lock; a
 second one exits at once. SIGHUP reloads config.yaml (see `scheduler.fleet.reload`).
+
+Hosted in an application's process (`scheduler.replica`), the daemon installs
+no signal handler, freezes nothing of the host's for the collector, and never
+ends the process: the host owns signals, memory and exit.
 """
 
 from __future__ import annotations
@@ -160,7 +164,8 @@ def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> N
 
 
 class Daemon:
-    """One replica: backend, gate, scheduler, optional HTTP; signals end it."""
+    """One replica: backend, gate, scheduler, optional HTTP; signals end it (`run`), or
+    its host does (`begin`, then `stop_requested` and `shutdown`, when `hosted`)."""
 
     def __init__(
         self,
@@ -170,8 +175,10 @@ class Daemon:
         backend: Backend | None = None,
         listeners: Sequence[events.Listener] = (),
         monotonic: Callable[[], float] = time.monotonic,
+        hosted: bool = False,
     ) -> None:
         self.config = config
+        self.hosted = hosted
         self.monotonic = monotonic
         self.settings = config.settings
         self.catalog = catalog
@@ -180,9 +187,9 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.reloads = PendingReload(monotonic)
         self.signals = 0
-        # Metrics exist to be scraped: without an HTTP port, none are kept.
+        # Metrics exist to be scraped: without an HTTP port (or a host's app), none are kept.
         self.metrics = None
-        if self.settings.http_port:
+        if self.settings.http_port or hosted:
             from scheduler.observers.metrics import Metrics
 
             self.metrics = Metrics([job.name for job in catalog])
@@ -227,7 +234,7 @@ class Daemon:
         if self.settings.http_port:
             from scheduler.web.server import HealthServer
 
-            assert self.metrics is not None
+            assert self.metrics is not None  # kept whenever there is an HTTP port
             self.http = HealthServer(
                 self.settings.http_host,
                 self.settings.http_port,
@@ -304,6 +311,29 @@ class Daemon:
 
     def run(self) -> int:
         self._install_signals()
+        if not self.begin():
+            return self._close()
+        # What start-up built (modules, settings, the catalog) lives as long as the
+        # daemon. Frozen, it is out of the collector's sight: a full collection no
+        # longer walks it (it paused every thread for 50-90 ms at 500 runs a second).
+        gc.collect()
+        gc.freeze()
+        self.keep_going()
+        return self.shutdown()
+
+    def keep_going(self) -> None:
+        """Until a stop is asked: reloads when asked (SIGHUP) or when the file changes.
+
+        A signal the kernel hands to another thread only trips a flag; Python runs
+        the handler when the main thread next wakes, so it wakes every second.
+        """
+        watching = self.settings.reload == "watch"
+        watch = FileWatch(self.config.path, self.monotonic) if watching else None
+        while not self.stop_requested.wait(1.0):
+            self._reload_if_asked(watch)
+
+    def begin(self) -> bool:
+        """Serve HTTP, prepare the ledger, start scheduling; False if stopped first."""
         log.info(
             "replica %s starting: %d job(s), %d scheduled, backend %s",
             self.settings.instance_name,
@@ -314,24 +344,13 @@ class Daemon:
         if self.http is not None:
             self.http.start()  # /healthz answers while we wait for the database
         if not self.prepare():
-            return self._close()
+            return False
         self.gate.start()
         self.housekeeping.start()
         self.scheduler.start()
         engine = self.backend.ledger_engine
         catch_up.submit_latest(self.catalog, self.gate, engine, datetime.now(UTC))
-        # What start-up built (modules, settings, the catalog) lives as long as the
-        # daemon. Frozen, it is out of the collector's sight: a full collection no
-        # longer walks it (it paused every thread for 50-90 ms at 500 runs a second).
-        gc.collect()
-        gc.freeze()
-        # A signal the kernel hands to another thread only trips a flag; Python runs
-        # the handler when the main thread next wakes, so it wakes every second.
-        watching = self.settings.reload == "watch"
-        watch = FileWatch(self.config.path, self.monotonic) if watching else None
-        while not self.stop_requested.wait(1.0):
-            self._reload_if_asked(watch)
-        return self.shutdown()
+        return True
 
     def _reload_if_asked(self, watch: FileWatch | None) -> None:
         """A reload asked for (SIGHUP, the watched file) or still pending is tried now."""
@@ -378,16 +397,23 @@ class Daemon:
             )
         return True
 
-    def shutdown(self) -> int:
+    def shutdown(self, grace: float | None = None) -> int:
+        """No new runs; wait up to `grace` (default `shutdown_grace`); release every lock."""
+        grace = self.settings.shutdown_grace if grace is None else grace
         log.info(
             "stopping: no new runs; waiting up to %g s for %s",
-            self.settings.shutdown_grace,
+            grace,
             ", ".join(self.gate.running_jobs()) or "no running job",
         )
-        self.scheduler.shutdown(wait=False)
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
         self.housekeeping.stop()
         self.catching_up.stop()
-        abandoned = self.gate.stop(self.settings.shutdown_grace)
+        abandoned = self.gate.stop(grace)
+        if abandoned and self.hosted:
+            self._close()
+            self._release_when_done(abandoned)
+            return 0
         if abandoned:
             # Their threads cannot be stopped. They were told (ctx.lock_lost) and recorded
             # crashed; their locks go with the session when the process ends, now, so no
@@ -402,6 +428,27 @@ class Daemon:
         self._close()
         log.info("stopped cleanly; every lock released")
         return 0
+
+    def _release_when_done(self, abandoned: list[str]) -> None:
+        """Hosted, the process goes on: the abandoned runs keep their locks until they end.
+
+        They were told (ctx.lock_lost) and recorded crashed; no other replica may
+        start their jobs while they still run here, so the lock session is closed
+        only after them (on PostgreSQL the server ends it sooner, within
+        `holder_timeout`, as it ends a frozen replica's).
+        """
+        log.error(
+            "gave up waiting for %s: told them their lock is lost, recorded them crashed; "
+            "their locks are released when they return",
+            ", ".join(abandoned),
+        )
+        gate = self.gate
+
+        def release() -> None:
+            gate._workers.wait()
+            gate.backend.close()
+
+        threading.Thread(target=release, name="release-abandoned", daemon=True).start()
 
     def _close(self) -> int:
         self.notices.close()

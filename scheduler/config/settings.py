@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
@@ -107,6 +108,35 @@ def _whole(low: int, high: int) -> BeforeValidator:
 
 def _lowercase(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
+
+
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+HOST_LOCK_OFF = "off"
+
+
+def _host_lock(value: Any) -> Any:
+    """`off` (or false, or empty) turns the host lock off; else a file path, kept as text."""
+    if value is None:
+        return None
+    if value is False or (isinstance(value, str) and value.strip().lower() in ("", "off")):
+        return HOST_LOCK_OFF
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str) or "\0" in value:
+        raise ValueError("must be a file path, or `off`")
+    return value
+
+
+def _module_names(value: Any) -> Any:
+    """Dotted module names: a list, or one string of names separated by commas."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple):
+        raise ValueError("must be a list of module names, such as [myapp.jobs]")
+    for name in value:
+        if not isinstance(name, str) or not MODULE_NAME.fullmatch(name):
+            raise ValueError(f"{_shown(name)} is not a module name (such as myapp.jobs)")
+    return list(value)
 
 
 Threshold = Annotated[int, _whole(1, MAX_THRESHOLD)]
@@ -393,6 +423,23 @@ class Settings(BaseSettings):
         " file changes",
     )
 
+    # The processes sharing this file elect one active replica (scheduler.fleet.host_lock).
+    host_lock: Annotated[str | None, BeforeValidator(_host_lock)] = Field(
+        None,
+        description="a file path: the processes that share it elect one active replica"
+        " through a file lock (the others stand by, with no database session, and one takes"
+        " over within a second when it exits or dies); `off`: none",
+        json_schema_extra=_shown_default(
+            "off for `scheduler run`; for `Replica` (the library API), a file in the system"
+            " temporary folder named after the schema and the database"
+        ),
+    )
+    modules: Annotated[list[str], NoDecode, BeforeValidator(_module_names)] = Field(
+        default_factory=list,
+        description="job modules to import by name (`myapp.jobs`), besides the jobs folder;"
+        " in the environment, names separated by commas",
+    )
+
     @field_validator("timezone")
     @classmethod
     def _zone(cls, value: str) -> str:
@@ -469,6 +516,12 @@ class Settings(BaseSettings):
     def embedded(self) -> bool:
         return self.database_url is None
 
+    def host_lock_file(self, default: Path | None) -> Path | None:
+        """The host lock's file: the setting's, else `default` (None: no host lock)."""
+        if self.host_lock == HOST_LOCK_OFF:
+            return None
+        return Path(self.host_lock).absolute() if self.host_lock else default
+
     @property
     def namespace(self) -> int:
         """The first integer of every advisory lock of this fleet."""
@@ -522,8 +575,14 @@ def config_path(flag: str | None) -> Path:
     return Path(flag or os.environ.get(f"{ENV_PREFIX}CONFIG") or "config.yaml").absolute()
 
 
-def load_config(flag_config: str | None = None, **flags: Any) -> Config:
-    """Read and validate config.yaml and the settings; raise ConfigError on anything wrong."""
+def load_config(
+    flag_config: str | None = None, given_as: Literal["flag", "keyword"] = "flag", **flags: Any
+) -> Config:
+    """Read and validate config.yaml and the settings; raise ConfigError on anything wrong.
+
+    `flags` are the command line's (`given_as="flag"`), or the keyword arguments of
+    the library API (`scheduler.replica`): an error names the one the user wrote.
+    """
     path = config_path(flag_config)
     document = _read_yaml(path)
     section = document.get("scheduler") or {}
@@ -539,7 +598,7 @@ def load_config(flag_config: str | None = None, **flags: Any) -> Config:
         )
     overrides = {k: v for k, v in flags.items() if v is not None}
     overrides["config"] = path
-    settings = _settings(section, overrides)
+    settings = _settings(section, overrides, given_as)
     if settings.jobs_path is not None and not settings.jobs_path.is_absolute():
         settings = settings.model_copy(update={"jobs_path": settings.jobs_path.absolute()})
     jobs_section = document.get("jobs") or {}
@@ -675,7 +734,9 @@ def _parse_yaml(path: Path, text: str) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {shorten(one_line(exc))}") from None
 
 
-def _settings(section: dict[str, Any], overrides: dict[str, Any]) -> Settings:
+def _settings(
+    section: dict[str, Any], overrides: dict[str, Any], given_as: str = "flag"
+) -> Settings:
     """Settings, with the `scheduler:` section as the source below the environment."""
     path = overrides["config"]
 
@@ -685,12 +746,14 @@ def _settings(section: dict[str, Any], overrides: dict[str, Any]) -> Settings:
     try:
         return FromFile(**overrides)
     except ValidationError as exc:
-        raise ConfigError(_settings_message(path, exc, overrides)) from None
+        raise ConfigError(_settings_message(path, exc, overrides, given_as)) from None
     except Exception as exc:
         raise ConfigError(f"{path}: scheduler: cannot be read ({type(exc).__name__})") from None
 
 
-def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any]) -> str:
+def _settings_message(
+    path: Path, exc: ValidationError, overrides: dict[str, Any], given_as: str = "flag"
+) -> str:
     lines = []
     for error in exc.errors():
         field = shorten(".".join(str(part) for part in error["loc"]), 100)
@@ -699,7 +762,7 @@ def _settings_message(path: Path, exc: ValidationError, overrides: dict[str, Any
         if not field:  # a rule between settings (its message names them), wherever they came from
             where = "settings"
         elif field in overrides and field != "config":
-            where = f"--{flag}"
+            where = f"--{flag}" if given_as == "flag" else f"keyword argument {field}"
         elif env_name in os.environ:
             where = f"environment {env_name}"
         else:

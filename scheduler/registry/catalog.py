@@ -27,7 +27,7 @@ from scheduler.config.schedules import (
 )
 from scheduler.config.settings import Config, JobConfig
 from scheduler.errors import ConfigError
-from scheduler.registry.jobs import JobSpec, Registry, discover
+from scheduler.registry.jobs import JobSpec, Registry, build_registry, discover, import_modules
 
 
 @dataclass(frozen=True)
@@ -273,4 +273,15 @@ def build_catalog(config: Config, registry: Registry) -> Catalog:
 
 
 def load_catalog(config: Config) -> Catalog:
-    return build_catalog(config, discover(config.settings.resolved_jobs_path))
+    """The jobs folder's jobs and those of the `modules` setting, with their schedules.
+
+    With `modules` and no `jobs_path` set, a missing `jobs/` folder is no error:
+    an application's jobs live in its own package.
+    """
+    settings = config.settings
+    folder = settings.resolved_jobs_path
+    specs: list[JobSpec] = []
+    if settings.jobs_path is not None or not settings.modules or folder.is_dir():
+        specs.extend(discover(folder).jobs.values())
+    specs.extend(import_modules(settings.modules))
+    return build_catalog(config, build_registry(specs))

@@ -117,6 +117,7 @@ def job(key: int, name: str | None = None) -> Callable[[F], F]:
         collector = _collector.get()
         if collector is not None:
             collector.append(spec)
+        _by_module.setdefault(getattr(func, "__module__", "") or "", []).append(spec)
         return func
 
     return mark
@@ -124,6 +125,9 @@ def job(key: int, name: str | None = None) -> Callable[[F], F]:
 
 # The jobs registered while a job module is being imported (see `_import`).
 _collector: ContextVar[list[JobSpec] | None] = ContextVar("scheduler_jobs", default=None)
+# Every job registered, by its function's module: a module named in `modules` may have
+# been imported by the application before the replica looks for its jobs.
+_by_module: dict[str, list[JobSpec]] = {}
 
 
 @dataclass(frozen=True)
@@ -264,4 +268,64 @@ def _describe(exc: BaseException, path: Path) -> str:
         if Path(frame.filename).resolve() == path.resolve():
             line = frame.lineno
     where = f" (line {line})" if line else ""
+    return f"{type(exc).__name__}: {shorten(str(exc))}{where}"
+
+
+def import_modules(names: Sequence[str]) -> list[JobSpec]:
+    """The jobs of the modules named in the `modules` setting, importing those not yet imported.
+
+    An application may have imported its job module before the replica
+    starts: its jobs were registered then, and are found by their functions'
+    module (the module or a module under it).
+    """
+    specs: list[JobSpec] = []
+    for name in names:
+        specs.extend(_import_named(name))
+    return specs
+
+
+def _import_named(name: str) -> tuple[JobSpec, ...]:
+    if name in _registered:
+        return _registered[name]
+    if name in sys.modules:
+        return _registered.setdefault(name, _registered_under(name))
+    collected: list[JobSpec] = []
+    token = _collector.set(collected)
+    try:
+        importlib.import_module(name)
+    except ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise ConfigError(
+                f"modules: {_shown(name)}: no such module (is it installed, or on sys.path?)"
+            ) from None
+        raise ConfigError(
+            f"modules: {_shown(name)}: failed to import: {_named_error(exc)}"
+        ) from None
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise ConfigError(
+            f"modules: {_shown(name)}: failed to import: {_named_error(exc)}"
+        ) from None
+    finally:
+        _collector.reset(token)
+    return _registered.setdefault(name, tuple(collected) or _registered_under(name))
+
+
+def _registered_under(name: str) -> tuple[JobSpec, ...]:
+    return tuple(
+        spec
+        for module, specs in _by_module.items()
+        if module == name or module.startswith(name + ".")
+        for spec in specs
+    )
+
+
+def _named_error(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError in {exc.filename} at line {exc.lineno}: {exc.msg}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({_short(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
     return f"{type(exc).__name__}: {shorten(str(exc))}{where}"

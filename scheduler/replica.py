@@ -1,0 +1,267 @@
+"""The library API: a replica inside an application's own processes (web workers).
+
+`Replica` reads its settings as `scheduler run` does (a keyword here stands
+where a flag stands there: keyword > environment > `config.yaml` > default)
+and runs the same daemon (`scheduler.daemon`), hosted: no signal handler,
+only daemon threads, and a stop at interpreter exit. The application owns
+the process; the replica never ends it.
+
+With a host lock (on by default here), the processes of one host that share
+its file elect one active replica (`scheduler.fleet.host_lock`); the others
+stand by, with no database session, and one takes over within a second.
+
+A replica started before a `fork` (gunicorn's `preload_app`, multiprocessing)
+does not run as a copy in the child: the child's copy is stopped, without
+touching what the parent still uses (its sessions, its lock), and `start()`
+in the child starts it afresh as a replica of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from scheduler.config.settings import Config, load_config
+from scheduler.errors import SchedulerError
+from scheduler.fleet.host_lock import POLL, HostLock, default_file
+from scheduler.registry.catalog import Catalog, load_catalog
+
+if TYPE_CHECKING:
+    from scheduler.daemon import Daemon
+
+log = logging.getLogger("scheduler.replica")
+
+START_TIMEOUT = 30.0  # seconds `start()` waits for the ledger before returning anyway
+JOIN_SLACK = 15.0  # seconds a stop waits beyond the grace for locks to be released
+
+
+class Replica:
+    """One replica of the fleet in this process: `start()`, `stop()`, `with`, `async with`.
+
+    `config`: the path of config.yaml; `modules`: job modules to import by
+    name; any other keyword is a setting (`http_token=...`, `host_lock=...`).
+    """
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str] | None = None,
+        modules: Sequence[str] = (),
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        **settings: Any,
+    ) -> None:
+        self._config = None if config is None else os.fspath(config)
+        self._keywords = {**settings, **({"modules": list(modules)} if modules else {})}
+        self.monotonic = monotonic
+        self._guard = threading.Lock()
+        self._run: _Run | None = None
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    # -- the lifecycle ------------------------------------------------------------------
+
+    def start(self, timeout: float = START_TIMEOUT) -> Replica:
+        """Return once running: active, or on standby behind the host lock.
+
+        Bad configuration raises ConfigError with the line `scheduler check`
+        prints. An active replica whose database does not answer within
+        `timeout` seconds returns anyway and keeps trying (`/readyz` says 503).
+        Starting a running replica does nothing.
+        """
+        with self._guard:
+            self._forget_if_forked()
+            if self._run is not None and not self._run.ended.is_set():
+                return self
+            config = load_config(self._config, given_as="keyword", **self._keywords)
+            run = _Run(config, load_catalog(config), self._host_lock(config))
+            self._run = run
+            run.thread.start()
+        run.wait_started(timeout, self.monotonic)
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """No new runs; wait up to `grace` s (default `shutdown_grace`) for running ones;
+        release every lock and session. Stopping again, or a replica never started, does
+        nothing."""
+        with self._guard:
+            self._forget_if_forked()
+            run = self._run
+        if run is not None:
+            run.stop(grace)
+
+    def __enter__(self) -> Replica:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Replica:
+        """For an ASGI lifespan: the start waits in a thread, not on the event loop."""
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+    # -- what it is now -----------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """True where this process is its host's active replica (and it is scheduling)."""
+        daemon = self.daemon
+        return daemon is not None and not daemon.stop_requested.is_set()
+
+    @property
+    def standby(self) -> bool:
+        """Started, and waiting behind the host lock for the active replica to go."""
+        run = self._current()
+        return run is not None and run.daemon is None and not run.ended.is_set()
+
+    @property
+    def daemon(self) -> Daemon | None:
+        """The daemon this process runs while it is the active replica (None otherwise)."""
+        run = self._current()
+        return None if run is None or run.ended.is_set() else run.daemon
+
+    @property
+    def config(self) -> Config | None:
+        """The configuration the replica was last started with."""
+        run = self._current()
+        return None if run is None else run.config
+
+    # -- inside -------------------------------------------------------------------------
+
+    def _current(self) -> _Run | None:
+        return None if os.getpid() != self._pid else self._run
+
+    def _forget_if_forked(self) -> None:
+        """In a forked child the parent's replica is not ours: drop it, touching nothing."""
+        if os.getpid() != self._pid:
+            self._pid, self._run = os.getpid(), None
+
+    def _host_lock(self, config: Config) -> HostLock | None:
+        from scheduler.backends import embedded_path
+
+        settings = config.settings
+        path = settings.host_lock_file(default_file(settings, embedded_path(settings)))
+        return None if path is None else HostLock(path)
+
+
+class _Run:
+    """One start of a replica: elect, run the daemon, shut it down, let go of the host lock."""
+
+    def __init__(self, config: Config, catalog: Catalog, host_lock: HostLock | None) -> None:
+        self.config = config
+        self.catalog = catalog
+        self.host_lock = host_lock
+        self.stopping = threading.Event()
+        self.started = threading.Event()  # standing by, or scheduling
+        self.ended = threading.Event()
+        self.grace: float | None = None
+        self.error: SchedulerError | None = None
+        self.daemon: Daemon | None = None
+        name = config.settings.instance_name
+        self.thread = threading.Thread(target=self._main, name=f"replica-{name}", daemon=True)
+
+    def wait_started(self, timeout: float, monotonic: Callable[[], float]) -> None:
+        self.started.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        if not self.started.is_set():
+            log.warning(
+                "replica %s: the ledger is not ready after %g s; it keeps trying in the"
+                " background (/readyz answers 503 until then)",
+                self.config.settings.instance_name,
+                timeout,
+            )
+
+    def stop(self, grace: float | None) -> None:
+        if not self.stopping.is_set():
+            self.grace = grace
+            self.stopping.set()
+        wait = self.config.settings.shutdown_grace if grace is None else grace
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(wait + JOIN_SLACK)
+
+    def _main(self) -> None:
+        try:
+            if self._elect():
+                self._serve()
+        except SchedulerError as exc:
+            self.error = exc
+            log.error("replica %s: %s", self.config.settings.instance_name, exc)
+        except Exception:
+            log.exception("replica %s failed", self.config.settings.instance_name)
+        finally:
+            if self.host_lock is not None:
+                self.host_lock.release()
+            self.ended.set()
+            self.started.set()
+
+    def _elect(self) -> bool:
+        """Hold the host lock (or have none); False if stopped while standing by."""
+        if self.host_lock is None:
+            return True
+        said = False
+        while not self.stopping.is_set():
+            if self.host_lock.try_take():
+                if said:
+                    log.info("this process is now its host's active replica")
+                return True
+            if not said:
+                log.info("standing by: another process of this host is the active replica")
+                self.started.set()
+                said = True
+            self.stopping.wait(POLL)
+        return False
+
+    def _serve(self) -> None:
+        from scheduler.daemon import Daemon
+
+        daemon = Daemon(self.config, self.catalog, hosted=True)
+        daemon.stop_requested = self.stopping  # one stop for both
+        self.daemon = daemon
+        try:
+            if daemon.begin():
+                self.started.set()
+                daemon.keep_going()
+                daemon.shutdown(self.grace)
+            else:
+                daemon._close()
+        except BaseException:
+            daemon._close()
+            raise
+        finally:
+            daemon.backend.ledger_engine.dispose()  # the host goes on: no session is left open
+
+
+_LIVE: weakref.WeakSet[Replica] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    """At interpreter exit, as SIGTERM would: running jobs get their grace."""
+    for replica in list(_LIVE):
+        try:
+            replica.stop()
+        except Exception:
+            log.exception("stopping a replica at exit failed")
+
+
+atexit.register(_stop_all)
