@@ -202,6 +202,7 @@ class _Run:
 
     def _main(self) -> None:
         try:
+            _preload(self.config)
             if self._elect():
                 self._serve()
         except SchedulerError as exc:
@@ -250,6 +251,18 @@ class _Run:
             raise
         finally:
             daemon.backend.ledger_engine.dispose()  # the host goes on: no session is left open
+
+
+def _preload(config: Config) -> None:
+    """Import what an active replica runs before standing by: a takeover then waits for
+    the database only, not for a second of imports."""
+    import scheduler.daemon
+    import scheduler.observers.metrics
+
+    if config.settings.embedded:
+        import scheduler.backends.embedded
+    else:
+        import scheduler.backends.postgres  # noqa: F401  (imported for its cost, now)
 
 
 _LIVE: weakref.WeakSet[Replica] = weakref.WeakSet()

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, tzinfo
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler import __version__
@@ -28,6 +29,7 @@ from scheduler.statuses import Status
 from scheduler.text import printable
 
 if TYPE_CHECKING:
+    from scheduler.fleet.host_lock import HostLock
     from scheduler.fleet.run_now import Answer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_HELD, EXIT_UNKNOWN = 0, 1, 2, 3, 4
@@ -319,7 +321,36 @@ def _run(config: Config, catalog: Catalog) -> int:
             "with SCHEDULER_DATABASE_URL=postgresql://...",
             embedded_path(settings),
         )
-    return Daemon(config, catalog).run()
+    lock_file = settings.host_lock_file(None)  # off for `scheduler run` unless set
+    held = None if lock_file is None else _elected(lock_file)
+    if lock_file is not None and held is None:
+        return EXIT_OK
+    return Daemon(config, catalog).run()  # the kernel drops the host lock with the process
+
+
+def _elected(lock_file: Path) -> HostLock | None:
+    """Stand by until this process holds the host lock; None after SIGTERM or SIGINT.
+
+    A standby holds no session and no lock: a signal only ends the wait.
+    """
+    import signal
+    import threading
+
+    from scheduler.fleet.host_lock import POLL, HostLock
+
+    lock, stop = HostLock(lock_file), threading.Event()
+    if lock.try_take():
+        return lock
+    logging.getLogger("scheduler").info(
+        "standing by: another process holds the host lock %s", lock_file
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _signum, _frame: stop.set())
+    while not stop.wait(POLL):
+        if lock.try_take():
+            logging.getLogger("scheduler").info("now this host's active replica")
+            return lock
+    return None
 
 
 def _check(config: Config, catalog: Catalog) -> int:
