@@ -36,6 +36,8 @@ from scheduler.registry.catalog import Catalog, load_catalog
 
 if TYPE_CHECKING:
     from scheduler.daemon import Daemon
+    from scheduler.web.asgi import ASGIApp
+    from scheduler.web.wsgi import WSGIApp
 
 log = logging.getLogger("scheduler.replica")
 
@@ -145,6 +147,18 @@ class Replica:
         """The configuration the replica was last started with."""
         run = self._current()
         return None if run is None else run.config
+
+    def asgi(self) -> ASGIApp:
+        """The page, /api, /metrics, /healthz and /readyz as an ASGI app, under any prefix."""
+        from scheduler.web.asgi import ASGIApp
+
+        return ASGIApp(self)
+
+    def wsgi(self) -> WSGIApp:
+        """The same as a WSGI app (its prefix: SCRIPT_NAME)."""
+        from scheduler.web.wsgi import WSGIApp
+
+        return WSGIApp(self)
 
     # -- inside -------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class Render:
             **data,
             refresh=query.parsed(request).get("refresh"),
             path=request.path,
+            root=request.root,
             instance=self.instance,
             actions_on=self.guard.actions_on,
             session=session,

@@ -70,6 +70,7 @@ class Request:
     headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
     body: bytes = b""
     client: str = ""  # the peer's address
+    root: str = ""  # the prefix the page is mounted under in a host's app ("" on its own port)
 
 
 @dataclass(frozen=True)
@@ -369,6 +370,31 @@ def encode(reply: Reply) -> bytes:
         return text.encode("latin-1") + reply.body
     except UnicodeEncodeError:
         return _unsendable(reply, "a character outside latin-1")
+
+
+def header_pairs(reply: Reply) -> list[tuple[str, str]]:
+    """Every header of the reply, as a host's server sends them (`scheduler.web.hosted`)."""
+    return [
+        ("Server", "scheduler"),
+        ("Content-Type", reply.content_type),
+        ("Content-Length", str(len(reply.body))),
+        *reply.headers,
+    ]
+
+
+def sendable(reply: Reply) -> Reply:
+    """The reply, or a 500 if one of its headers cannot be sent as it is (as `encode` does)."""
+    for name, value in header_pairs(reply):
+        line = f"{name}: {value}"
+        if "\r" in line or "\n" in line:
+            encode(reply)  # logs what was wrong
+            return Reply(500, b"internal error\n")
+        try:
+            line.encode("latin-1")
+        except UnicodeEncodeError:
+            encode(reply)
+            return Reply(500, b"internal error\n")
+    return reply
 
 
 def _unsendable(reply: Reply, what: str) -> bytes:
