@@ -438,6 +438,7 @@ class Settings(BaseSettings):
         default_factory=list,
         description="job modules to import by name (`myapp.jobs`), besides the jobs folder;"
         " in the environment, names separated by commas",
+        json_schema_extra=_shown_default("none"),
     )
 
     @field_validator("timezone")
