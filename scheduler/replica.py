@@ -49,7 +49,9 @@ class Replica:
     """One replica of the fleet in this process: `start()`, `stop()`, `with`, `async with`.
 
     `config`: the path of config.yaml; `modules`: job modules to import by
-    name; any other keyword is a setting (`http_token=...`, `host_lock=...`).
+    name; `loop`: the event loop coroutine jobs run on (by default the loop of
+    `async with`, else one per run in its worker thread); any other keyword is
+    a setting (`http_token=...`, `host_lock=...`).
     """
 
     def __init__(
@@ -57,10 +59,13 @@ class Replica:
         config: str | os.PathLike[str] | None = None,
         modules: Sequence[str] = (),
         *,
+        loop: asyncio.AbstractEventLoop | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         **settings: Any,
     ) -> None:
         self._config = None if config is None else os.fspath(config)
+        self._loop = loop  # coroutine jobs run on it (else on the loop of `async with`)
+        self._entered: asyncio.AbstractEventLoop | None = None
         self._keywords = {**settings, **({"modules": list(modules)} if modules else {})}
         self.monotonic = monotonic
         self._guard = threading.Lock()
@@ -83,7 +88,13 @@ class Replica:
             if self._run is not None and not self._run.ended.is_set():
                 return self
             config = load_config(self._config, given_as="keyword", **self._keywords)
-            run = _Run(config, load_catalog(config), self._host_lock(config))
+            catalog = load_catalog(config)
+            loop = self._loop or self._entered
+            if loop is not None:
+                from scheduler.host_loop import on_loop
+
+                catalog = on_loop(catalog, loop)
+            run = _Run(config, catalog, self._host_lock(config))
             self._run = run
             run.thread.start()
         run.wait_started(timeout, self.monotonic)
@@ -111,7 +122,9 @@ class Replica:
         self.stop()
 
     async def __aenter__(self) -> Replica:
-        """For an ASGI lifespan: the start waits in a thread, not on the event loop."""
+        """For an ASGI lifespan: the start waits in a thread, not on the event loop, and
+        coroutine jobs will run on this loop."""
+        self._entered = asyncio.get_running_loop()
         return await asyncio.to_thread(self.start)
 
     async def __aexit__(
@@ -121,6 +134,7 @@ class Replica:
         trace: TracebackType | None,
     ) -> None:
         await asyncio.to_thread(self.stop)
+        self._entered = None
 
     # -- what it is now -----------------------------------------------------------------
 

@@ -176,3 +176,34 @@ def test_the_host_exits_without_stopping_its_replica(tmp_path, monkeypatch):
     assert done.stdout == "started\n"
     assert "stopped cleanly" in done.stderr  # the stop at exit released every lock
     assert time.monotonic() - began < 15
+
+
+COROUTINE = """
+import asyncio, threading
+from pathlib import Path
+from scheduler import job
+
+@job(key=3105)
+async def beat(ctx):
+    await asyncio.sleep(0)
+    with open(Path(__file__).resolve().parent.parent / "threads.txt", "a") as out:
+        out.write(f"{threading.get_ident()}\\n")
+"""
+
+
+def test_coroutine_jobs_run_on_the_loop_of_async_with(tmp_path, monkeypatch):
+    config = project(tmp_path, monkeypatch, "jobs:\n  beat:\n    interval: 1s\n")
+    (tmp_path / "jobs" / "tick.py").write_text(textwrap.dedent(COROUTINE))
+    ran = tmp_path / "threads.txt"
+
+    async def application() -> None:
+        async with Replica(config=config, host_lock="off"):
+            while not ran.exists():
+                await asyncio.sleep(0.05)
+
+    asyncio.run(asyncio.wait_for(application(), 15))
+    assert ran.read_text().split()[0] == str(threading.get_ident())  # this loop's thread
+    ran.unlink()
+    with Replica(config=config, host_lock="off"):  # no loop: each run on one of its own
+        wait_for(ran.exists, 10, "a run")
+    assert ran.read_text().split()[0] != str(threading.get_ident())
