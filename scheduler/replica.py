@@ -254,6 +254,7 @@ class _Run:
                 if said:
                     log.info("this process is now its host's active replica")
                 return True
+            self.host_lock.announce(self.config.settings.instance_name)
             if not said:
                 log.info("standing by: another process of this host is the active replica")
                 self.started.set()

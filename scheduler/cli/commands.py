@@ -322,13 +322,13 @@ def _run(config: Config, catalog: Catalog) -> int:
             embedded_path(settings),
         )
     lock_file = settings.host_lock_file(None)  # off for `scheduler run` unless set
-    held = None if lock_file is None else _elected(lock_file)
+    held = None if lock_file is None else _elected(lock_file, settings.instance_name)
     if lock_file is not None and held is None:
         return EXIT_OK
     return Daemon(config, catalog).run()  # the kernel drops the host lock with the process
 
 
-def _elected(lock_file: Path) -> HostLock | None:
+def _elected(lock_file: Path, instance: str) -> HostLock | None:
     """Stand by until this process holds the host lock; None after SIGTERM or SIGINT.
 
     A standby holds no session and no lock: a signal only ends the wait.
@@ -344,12 +344,15 @@ def _elected(lock_file: Path) -> HostLock | None:
     logging.getLogger("scheduler").info(
         "standing by: another process holds the host lock %s", lock_file
     )
+    lock.announce(instance)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
     while not stop.wait(POLL):
+        lock.announce(instance)
         if lock.try_take():
             logging.getLogger("scheduler").info("now this host's active replica")
             return lock
+    lock.withdraw()
     return None
 
 
@@ -473,9 +476,11 @@ def _ledger_backend(config: Config) -> Backend:
 
 
 def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> int:
+    from scheduler.fleet.host_lock import host_standbys
     from scheduler.fleet.status import fleet_status, running_words
 
-    document = fleet_status(_ledger_backend(config), catalog, datetime.now(UTC))
+    backend = _ledger_backend(config)
+    document = fleet_status(backend, catalog, datetime.now(UTC), host_standbys(config.settings))
     if as_json:
         print(json.dumps(document, indent=2))
         return EXIT_OK
@@ -485,6 +490,8 @@ def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> i
         since = f" since {instant(instance['since'], tz)}" if instance["since"] else ""
         note = f": {printable(instance['note'])}" if instance.get("note") else ""
         print(f"  {instance['name']}{since} ({instance['address'] or 'local'}){note}")
+    if document["standbys"]:
+        print(f"  on standby on this host: {printable(', '.join(document['standbys']))}")
     for note in document["notes"]:
         print(f"note: {printable(note)}")
     rows = []

@@ -10,6 +10,10 @@ takes over within a second.
 A forked child (gunicorn's `preload_app`, multiprocessing) inherits the
 holder's descriptor, which would keep the lock held after the holder died:
 the child closes its copy at once (`os.register_at_fork`).
+
+Standbys announce themselves beside the lock (a folder `<lock>.standby/`, one
+file per standby under a shared flock), so that `status` and the page of the
+host's active replica name them; a file nobody holds is a standby gone.
 """
 
 from __future__ import annotations
@@ -52,12 +56,51 @@ def default_file(settings: Settings, embedded_path: Path) -> Path:
     return folder / f"{settings.schema_name}-{name}-{digest}.lock"
 
 
+def host_standbys(settings: Settings) -> list[str]:
+    """The replicas standing by behind this host's lock for these settings (none: no lock)."""
+    from scheduler.backends import embedded_path
+
+    path = settings.host_lock_file(default_file(settings, embedded_path(settings)))
+    return [] if path is None else standbys(path)
+
+
+def standbys(path: Path) -> list[str]:
+    """The names announced beside the lock by live standbys; files of gone ones removed."""
+    folder = _standby_folder(path)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [name for name in names if _announced(folder / name)]
+
+
+def _standby_folder(path: Path) -> Path:
+    return path.with_name(path.name + ".standby")
+
+
+def _announced(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # a standby holds it
+    else:
+        path.unlink(missing_ok=True)  # nobody holds it: its standby is gone
+        return False
+    finally:
+        os.close(fd)
+
+
 class HostLock:
     """An exclusive flock on one file; `try_take` never waits."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
+        self._announced: tuple[Path, int, int] | None = None  # this standby's file, its inode
         self._guard = threading.Lock()
         _ALL.add(self)
 
@@ -81,7 +124,8 @@ class HostLock:
                     f"host_lock {self.path}: cannot be locked ({exc.strerror})"
                 ) from None
             self._fd = fd
-            return True
+        self.withdraw()  # active now: no longer standing by
+        return True
 
     def release(self) -> None:
         with self._guard:
@@ -89,13 +133,46 @@ class HostLock:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+        self.withdraw()
+
+    def announce(self, instance: str) -> None:
+        """Say `instance` stands by here, again if its file was removed; never raises."""
+        path = _standby_folder(self.path) / instance
+        if self._announced is not None:
+            _, fd, ino = self._announced
+            try:
+                if os.stat(path, follow_symlinks=False).st_ino == ino:
+                    return
+            except OSError:
+                pass
+            self.withdraw()
+        try:
+            path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        except OSError:
+            return  # only `status` misses it
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a look by `standbys` holds it for an instant only
+        self._announced = (path, fd, os.fstat(fd).st_ino)
+
+    def withdraw(self) -> None:
+        announced, self._announced = self._announced, None
+        if announced is not None:
+            path, fd, ino = announced
+            try:
+                if os.stat(path, follow_symlinks=False).st_ino == ino:
+                    path.unlink()
+            except OSError:
+                pass
+            os.close(fd)
 
     def _forget_after_fork(self) -> None:
         """In a forked child: close the inherited copy, not unlock (the lock is the parent's)."""
         fd, self._fd = self._fd, None
+        announced, self._announced = self._announced, None
         self._guard = threading.Lock()
-        if fd is not None:
-            os.close(fd)
+        for copy in (fd, announced[1] if announced else None):
+            if copy is not None:
+                os.close(copy)
 
 
 def _open(path: Path) -> int:

@@ -6,7 +6,7 @@ are documented in docs/cli.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -76,7 +76,11 @@ class _Snapshot:
     seen: dict[str, datetime]
 
 
-def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str, Any]:
+def fleet_status(
+    backend: Backend, catalog: Catalog, now: datetime, standbys: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The fleet now; `standbys`: the replicas on standby behind the host lock, on the
+    host that asks (they hold no session, so the ledger cannot know them)."""
     # One read transaction; the embedded backend reads its file locks without taking
     # any (a probe could make a concurrent claim see its lock as taken).
     with _reading(backend).begin() as conn:
@@ -94,6 +98,7 @@ def fleet_status(backend: Backend, catalog: Catalog, now: datetime) -> dict[str,
             }
             for i in instances
         ],
+        "standbys": list(standbys),
         "jobs": [_job_status(job, snapshot, now) for job in catalog],
         # What the backend finds wrong under the fleet (embedded: a lock folder that is gone).
         "notes": notes() if callable(notes) else [],

@@ -24,6 +24,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from scheduler.backends import Backend
 from scheduler.config.settings import Settings
 from scheduler.fleet import run_now
+from scheduler.fleet.host_lock import host_standbys
 from scheduler.fleet.status import fleet_status, history
 from scheduler.ledger import TickFilter
 from scheduler.registry.catalog import Catalog, CatalogJob
@@ -144,7 +145,8 @@ class Reading:
             query=wanted.get("q", ""),
             sort=wanted.get("sort", views.SORTS[0]),
         )
-        data = views.index(self.backend, self.catalog(), self.clock(), chosen)
+        standbys = host_standbys(self.settings)
+        data = views.index(self.backend, self.catalog(), self.clock(), chosen, standbys)
         return self.render.html("index.html", request, data)
 
     def job(self, request: Request) -> Reply:
@@ -160,7 +162,8 @@ class Reading:
         return self.render.html("job.html", request, data)
 
     def api_status(self, request: Request) -> Reply:
-        document = fleet_status(self.backend, self.catalog(), self.clock())
+        standbys = host_standbys(self.settings)
+        document = fleet_status(self.backend, self.catalog(), self.clock(), standbys)
         return Reply(200, json.dumps(document, indent=2).encode(), JSON, SECURITY)
 
     def api_history(self, request: Request) -> Reply:

@@ -8,6 +8,7 @@ line never disagree; the timeline reads its window through
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -97,9 +98,15 @@ def _row(job: dict[str, Any], entry: CatalogJob | None, now: datetime) -> dict[s
     }
 
 
-def index(backend: Backend, catalog: Catalog, now: datetime, wanted: Wanted) -> dict[str, Any]:
+def index(
+    backend: Backend,
+    catalog: Catalog,
+    now: datetime,
+    wanted: Wanted,
+    standbys: Sequence[str] = (),
+) -> dict[str, Any]:
     span = window.window_ending(now, WINDOWS[wanted.window])
-    status = fleet_status(backend, catalog, now)
+    status = fleet_status(backend, catalog, now, standbys)
     with backend.ledger_engine.connect() as conn:
         lanes = window.read_lanes(conn, span, [i["name"] for i in status["instances"]])
     rows = [_row(job, catalog.by_name(job["name"]), now) for job in status["jobs"]]

@@ -11,7 +11,7 @@ import time
 
 from scheduler import Replica
 from scheduler.config.settings import load_config
-from scheduler.fleet.host_lock import HostLock, default_file
+from scheduler.fleet.host_lock import HostLock, default_file, standbys
 from tests.support import wait_for
 from tests.unit.test_replica import project, ticks
 
@@ -51,15 +51,28 @@ def test_a_standby_takes_over_within_a_second_when_the_active_one_stops(tmp_path
         assert time.monotonic() - began < 2  # a standby's start does not wait for its turn
         assert active.active and not active.standby
         assert standby.standby and not standby.active and standby.daemon is None
+        assert standbys(tmp_path / "host.lock") == ["second"]  # what `status` lists
         active.stop()
         stopped = time.monotonic()
         wait_for(lambda: standby.active, 5, "the standby to take over", every=0.02)
         assert time.monotonic() - stopped < 1.0
+        assert standbys(tmp_path / "host.lock") == []
         seen = len(ticks(tmp_path))
         wait_for(lambda: len(ticks(tmp_path)) > seen, 5, "a tick run by the new active replica")
     finally:
         standby.stop()
         active.stop()
+
+
+def status(config, env: dict[str, str]) -> tuple[int, str, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "scheduler", "status", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done.returncode, done.stdout, done.stderr
 
 
 def test_scheduler_run_stands_by_behind_a_host_lock_it_is_given(tmp_path, monkeypatch):
@@ -75,6 +88,8 @@ def test_scheduler_run_stands_by_behind_a_host_lock_it_is_given(tmp_path, monkey
         assert second.stderr is not None
         said = [second.stderr.readline() for _ in range(2)]
         assert "standing by" in said[-1], said
+        code, out, _ = status(config, env)
+        assert code == 0 and "on standby on this host: " in out
         second.send_signal(signal.SIGTERM)
         assert second.wait(10) == 0
         second.stderr.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
@@ -153,6 +154,10 @@ def test_a_standby_says_so_and_a_stopped_replica_is_unavailable(replica, tmp_pat
     ).start()
     try:
         assert standby.standby
+        for app, get in apps(replica):  # the active replica's page names the standby
+            status, _, body = get(app, "/api/status")
+            assert status == 200 and json.loads(body)["standbys"] == ["b"]
+            assert "On standby on this replica's host" in get(app, "/")[2].decode()
         for app, get in apps(standby):
             assert get(app, "/healthz")[0::2] == (200, b"standby\n")
             assert get(app, "/readyz")[0::2] == (200, b"standby\n")
