@@ -1,6 +1,7 @@
 """The recipes of docs/in-your-application.md, served by real servers against PostgreSQL:
 FastAPI under uvicorn with two workers, Flask under gunicorn with two workers (with and
-without preload_app). The code run is the page's code blocks, as written there."""
+without preload_app), Django under gunicorn with two workers. The code run is the page's
+code blocks, as written there (and for Django, the smallest settings around them)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("flask")
 pytest.importorskip("gunicorn")
+pytest.importorskip("django")
 
 PAGE = ROOT / "docs" / "in-your-application.md"
 BLOCK = re.compile(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", re.DOTALL)
@@ -113,4 +115,32 @@ def test_flask_under_gunicorn_with_two_workers(tmp_path, database_url, preload):
     command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-w", "2"]
     command += ["-b", f"127.0.0.1:{port}", *(["--preload"] if preload else [])]
     server = serve([*command, "myapp.web:create_app()"], folder, database_url)
+    check_the_recipe(server, port, database_url)
+
+
+DJANGO_SETTINGS = """
+SECRET_KEY = "only-for-this-test"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+ROOT_URLCONF = "mysite.urls"
+INSTALLED_APPS = ["myapp.apps.MyAppConfig"]
+MIDDLEWARE = []
+DATABASES = {}
+"""
+
+DJANGO_URLS = """
+from django.http import HttpResponse
+from django.urls import path
+
+urlpatterns = [path("", lambda request: HttpResponse("hello"))]
+"""
+
+
+def test_django_under_gunicorn_with_two_workers(tmp_path, database_url):
+    folder, port = recipes(tmp_path), free_port()
+    (folder / "mysite" / "__init__.py").touch()
+    (folder / "mysite" / "settings.py").write_text(DJANGO_SETTINGS)
+    (folder / "mysite" / "urls.py").write_text(DJANGO_URLS)
+    command = [sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}"]
+    server = serve([*command, "mysite.wsgi"], folder, database_url)
     check_the_recipe(server, port, database_url)
