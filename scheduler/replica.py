@@ -23,9 +23,7 @@ import atexit
 import logging
 import os
 import threading
-import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -60,18 +58,15 @@ class Replica:
         modules: Sequence[str] = (),
         *,
         loop: asyncio.AbstractEventLoop | None = None,
-        monotonic: Callable[[], float] = time.monotonic,
         **settings: Any,
     ) -> None:
         self._config = None if config is None else os.fspath(config)
         self._loop = loop  # coroutine jobs run on it (else on the loop of `async with`)
         self._entered: asyncio.AbstractEventLoop | None = None
         self._keywords = {**settings, **({"modules": list(modules)} if modules else {})}
-        self.monotonic = monotonic
         self._guard = threading.Lock()
         self._run: _Run | None = None
         self._pid = os.getpid()
-        _LIVE.add(self)
 
     # -- the lifecycle ------------------------------------------------------------------
 
@@ -96,8 +91,9 @@ class Replica:
                 catalog = on_loop(catalog, loop)
             run = _Run(config, catalog, self._host_lock(config))
             self._run = run
+            _RUNNING.add(run)
             run.thread.start()
-        run.wait_started(timeout, self.monotonic)
+        run.wait_started(timeout)
         return self
 
     def stop(self, grace: float | None = None) -> None:
@@ -208,7 +204,7 @@ class _Run:
         name = config.settings.instance_name
         self.thread = threading.Thread(target=self._main, name=f"replica-{name}", daemon=True)
 
-    def wait_started(self, timeout: float, monotonic: Callable[[], float]) -> None:
+    def wait_started(self, timeout: float) -> None:
         self.started.wait(timeout)
         if self.error is not None:
             raise self.error
@@ -241,6 +237,7 @@ class _Run:
         finally:
             if self.host_lock is not None:
                 self.host_lock.release()
+            _RUNNING.discard(self)
             self.ended.set()
             self.started.set()
 
@@ -294,16 +291,19 @@ def _preload(config: Config) -> None:
         import scheduler.backends.postgres  # noqa: F401  (imported for its cost, now)
 
 
-_LIVE: weakref.WeakSet[Replica] = weakref.WeakSet()
+# Every run started in this process and not yet ended, held here so that a replica the
+# application let go of is still stopped at exit.
+_RUNNING: set[_Run] = set()
 
 
 def _stop_all() -> None:
     """At interpreter exit, as SIGTERM would: running jobs get their grace."""
-    for replica in list(_LIVE):
+    for run in list(_RUNNING):
         try:
-            replica.stop()
+            run.stop(None)
         except Exception:
             log.exception("stopping a replica at exit failed")
 
 
 atexit.register(_stop_all)
+os.register_at_fork(after_in_child=_RUNNING.clear)  # the parent's runs are not the child's

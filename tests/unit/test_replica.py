@@ -156,14 +156,14 @@ from scheduler import Replica
 
 logging.basicConfig(level=logging.INFO)
 
-replica = Replica(config=sys.argv[1], host_lock="off", shutdown_grace=2)
-replica.start()
+Replica(config=sys.argv[1], host_lock="off", shutdown_grace=2).start()  # not kept
 print("started", flush=True)
 """
 
 
 def test_the_host_exits_without_stopping_its_replica(tmp_path, monkeypatch):
-    """Daemon threads only, and a stop at exit: the host's interpreter ends at once."""
+    """Daemon threads only, and a stop at exit (even of a replica the host let go of): the
+    host's interpreter ends at once."""
     config = project(tmp_path, monkeypatch)
     began = time.monotonic()
     done = subprocess.run(
