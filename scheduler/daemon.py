@@ -445,7 +445,7 @@ class Daemon:
         gate = self.gate
 
         def release() -> None:
-            gate._workers.wait()
+            gate.table.workers.wait()
             gate.backend.close()
 
         threading.Thread(target=release, name="release-abandoned", daemon=True).start()

@@ -207,3 +207,33 @@ def test_coroutine_jobs_run_on_the_loop_of_async_with(tmp_path, monkeypatch):
     with Replica(config=config, host_lock="off"):  # no loop: each run on one of its own
         wait_for(ran.exists, 10, "a run")
     assert ran.read_text().split()[0] != str(threading.get_ident())
+
+
+LONG = """
+from pathlib import Path
+from scheduler import job
+
+@job(key=3106)
+def long(ctx):
+    folder = Path(__file__).resolve().parent.parent
+    (folder / "began").touch()
+    told = ctx.lock_lost.wait(20)
+    (folder / "ended").write_text("told" if told else "not told")
+"""
+
+
+def test_a_run_past_the_grace_is_told_and_the_host_goes_on(tmp_path, monkeypatch):
+    """`scheduler run` ends its process when a run outlives the grace; a host's process is
+    not the replica's to end: the run is told its lock is lost, and the host goes on."""
+    config = project(tmp_path, monkeypatch, "jobs:\n  long:\n    interval: 1s\n")
+    (tmp_path / "jobs" / "tick.py").write_text(textwrap.dedent(LONG))
+    replica = Replica(config=config, host_lock="off").start()
+    wait_for((tmp_path / "began").exists, 10, "the run to begin")
+    replica.stop(grace=0.2)
+    assert not replica.active
+    wait_for((tmp_path / "ended").exists, 10, "the run to end")
+    assert (tmp_path / "ended").read_text() == "told"
+    (tmp_path / "began").unlink()
+    # Its lock was let go when it returned: a replica started now runs the job.
+    with Replica(config=config, host_lock="off", instance_name="after", shutdown_grace=0):
+        wait_for((tmp_path / "began").exists, 10, "a run by the next replica")
