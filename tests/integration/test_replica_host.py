@@ -4,6 +4,7 @@ second and the job's ticks go on."""
 
 from __future__ import annotations
 
+import select
 import signal
 import subprocess
 import sys
@@ -40,8 +41,11 @@ def host(config_file: Path, url: str, name: str, lock: Path) -> subprocess.Popen
     )
 
 
-def said(process: subprocess.Popen[str]) -> str:
+def said(process: subprocess.Popen[str], timeout: float = 60) -> str:
+    """The next line the host printed; a host that says nothing fails the test, not hangs it."""
     assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    assert ready, f"the host said nothing within {timeout:g} s"
     return process.stdout.readline().strip()
 
 

@@ -73,7 +73,7 @@ def test_a_child_keeps_no_hold_on_the_host_lock_when_its_parent_dies(tmp_path, m
         assert not HostLock(lock).try_take()  # the parent's replica holds it
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        wait_for(lambda: HostLock(lock).try_take(), 2, "the lock to be free", every=0.05)
+        wait_for(lambda: HostLock(lock).try_take(), 10, "the lock to be free", every=0.05)
     finally:
         os.killpg(parent.pid, signal.SIGKILL)  # the child too
         parent.wait(10)
@@ -87,7 +87,7 @@ def _child(replica: Replica, pipe: Connection) -> None:
     assert replica.config is not None
     pipe.send((replica.standby, replica.config.settings.instance_name))
     pipe.recv()  # the parent stopped its replica
-    wait_for(lambda: replica.active, 5, "the child to take over", every=0.02)
+    wait_for(lambda: replica.active, 15, "the child to take over", every=0.02)
     pipe.send(True)
     replica.stop()
 
