@@ -486,6 +486,9 @@ CREATE FUNCTION scheduler_claim(
 -- The planner cannot know how many ticks a call carries and guesses a handful;
 -- its nested loops over them would make a burst of n ticks cost n^2.
 SET enable_nestloop = off
+-- A statement with no plan but a nested loop (a LATERAL call: record_skips) is then costed
+-- past jit_above_cost, and JIT compiling it took 0.7 s of the lock session per skip.
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE

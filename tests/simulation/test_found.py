@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from scheduler.backends.base import ClaimRequest, Intent
+from tests.simulation import jobs
 from tests.simulation.play import play
+from tests.simulation.sites import PgSite
 from tests.simulation.steps import CALL_FAULTS, Step
 
 pytestmark = pytest.mark.simulation
@@ -31,3 +36,36 @@ def test_two_run_now_requests_after_a_lost_reply_leave_no_lock(kind, pg_server):
     played = play(kind, pg_server, 1, steps)
     assert played.violation is None, played.violation
     assert played.faults["reply_lost"] == 1
+
+
+def test_a_claim_that_records_a_skip_is_not_compiled(pg_server):
+    """A claim recording a skip planned a LATERAL call that only a nested loop can run, which
+    its `enable_nestloop = off` costed past jit_above_cost: JIT compiled it, 0.7 s of the lock
+    session per skip (seed 1 spent 7 of its 10 s there). Every plan of a claim runs uncompiled."""
+    site = PgSite(pg_server)
+    backend = site.backend("r0")
+    try:
+        backend.connect()
+        driver = backend._conn.connection.driver_connection
+        if not driver.execute("SELECT pg_jit_available()").fetchone()[0]:
+            pytest.skip("this server has no JIT")
+        plans: list[str] = []
+        driver.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+        driver.execute("LOAD 'auto_explain'")
+        for name, value in EXPLAIN_EVERY_PLAN.items():
+            driver.execute(f"SET {name} = {value}")
+        tick = jobs.AUTUMN
+        for intent, at in ((Intent.RUN, tick), (Intent.SKIP, tick + timedelta(seconds=5))):
+            request = ClaimRequest(jobs.FAST, "fast", at, intent, 10**8, 3, 3)
+            backend.claim([request], "r0", 3)
+        assert any("scheduler_record_skips" in plan for plan in plans)
+        assert not [plan for plan in plans if "JIT:" in plan]
+    finally:
+        site.close()
+
+
+EXPLAIN_EVERY_PLAN = {
+    "auto_explain.log_min_duration": "0",
+    "auto_explain.log_nested_statements": "on",
+    "auto_explain.log_level": "notice",
+}

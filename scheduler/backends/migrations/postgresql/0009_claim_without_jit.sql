@@ -1,0 +1,2 @@
+-- Functions only: scheduler_claim runs with jit = off (a plan costed past jit_above_cost by
+-- its enable_nestloop = off spent 0.7 s compiling each claim that recorded a skip).

@@ -1,0 +1,1 @@
+-- Nothing changes here: PostgreSQL's scheduler_claim runs with jit = off (0009 there).
