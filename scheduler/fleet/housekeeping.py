@@ -206,8 +206,10 @@ class Housekeeping:
                 done["requests"] = ledger.settle_ended_requests(conn, sweep[1])
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart,
-        # which moves its own watermark, so a sweep cut short here loses no window.
-        if sweep is not None:
+        # which moves its own watermark, so a sweep cut short here loses no window. The
+        # window is the fleet's: only a replica that has every job a live replica runs
+        # (and so its grace) moves it; another leaves it to one that does.
+        if sweep is not None and self.judges_every_job(registered, live | {me}):
             with engine.begin() as conn:
                 since = ledger.missed_watermark(conn)
                 done["missed"] = self.sweep_missed(conn, states, since, sweep[1], registered)
@@ -241,6 +243,15 @@ class Housekeeping:
                 if not removed:
                     break
         return done
+
+    def judges_every_job(self, registered: list[ledger.Registration], live: set[str]) -> bool:
+        """Whether this replica schedules every job a live replica has a schedule of."""
+        mine = {job.key for job in self.catalog.scheduled}
+        return all(
+            r.key in mine
+            for r in registered
+            if r.instance in live and r.until is None and r.schedule is not None
+        )
 
     def sweep_drift(
         self,
