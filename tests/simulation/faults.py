@@ -84,8 +84,10 @@ class Faulty:
         fired: Callable[[str], None],
         observe: Callable[[str, tuple[Any, ...], Any], None],
         say: Callable[[str], None] = lambda _text: None,
+        touch: Callable[[], None] = lambda: None,
     ) -> None:
         self._say = say
+        self._touch = touch  # the ledger or the locks may have changed
         self._real = real
         self._kill = kill  # end this replica's session as the server would (False: cannot)
         self._fired = fired  # count a fault that met a call
@@ -98,6 +100,7 @@ class Faulty:
         return getattr(self._real, name)
 
     def connect(self) -> None:
+        self._touch()
         self._real.connect()
         conn = getattr(self._real, "_conn", None)
         driver = conn.connection.driver_connection if conn is not None else None
@@ -122,6 +125,7 @@ class Faulty:
         return self._call("take_requests", args)
 
     def _call(self, name: str, args: tuple[Any, ...]) -> Any:
+        self._touch()
         method = getattr(self._real, name)
         armed = self.armed
         if armed is None or armed[2] not in (None, name):
@@ -139,13 +143,12 @@ class Faulty:
         if fault == "error_before":
             self._fired(fault)
             raise injected("error before the statement")
-        # A fault waiting for one kind of call meets the first that changes something:
-        # a reply lost after a commit that wrote nothing, a statement that never ran, are
-        # no fault at all.
-        waits = armed[2] is not None
+        # A fault meets the first call (of its kind, if it waits for one) that changes
+        # something: a reply lost after a commit that wrote nothing, a statement that
+        # never ran, are no fault at all, and the fault waits on.
         if fault == "reply_lost":
             result = self._observed(name, args, method(*args))
-            if waits and _empty(result):
+            if _empty(result):
                 self.armed = armed
                 return result
             self._fired(fault)
@@ -158,8 +161,7 @@ class Faulty:
         except Exception:
             self._fired(fault)
             raise
-        if waits:
-            self.armed = armed
+        self.armed = armed
         return self._observed(name, args, result)
 
     def _observed(self, name: str, args: tuple[Any, ...], result: Any) -> Any:

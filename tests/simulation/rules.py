@@ -7,14 +7,18 @@ every step. Each raises Violation with what it saw.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
 from scheduler import ledger
+from scheduler.config.schedules import _ticks
+from tests.simulation.sweeps import missed_bound
 
 if TYPE_CHECKING:
-    from tests.simulation.world import SimRun, World
+    from scheduler.registry.catalog import CatalogJob
+    from tests.simulation.world import InForce, SimRun, World
 
 
 class Violation(AssertionError):
@@ -166,3 +170,73 @@ def streaks_recount(world: World) -> None:
 
 
 AFTER_STEP = (locks_follow_runs, streaks_recount)
+
+
+# -- once the fleet has settled and a sweep has run -------------------------------------
+
+
+def every_tick_explained(world: World) -> None:
+    """The ledger explains every tick (guarantee 9; how a tick is due: scheduler.due's
+    docstring): once a whole sweep has looked past a tick's grace, every tick that was due
+    (some schedule in force then, and every one in force contained it) has its row; and no
+    row is for a tick that no schedule in force had (a run-now has a tick of its own; a
+    replica whose clock is ahead claims its schedule's ticks early: docs/operating.md). A
+    sweep judges the jobs live replicas have: a tick whose window was swept while no live
+    replica (a session holding the presence lock) had the job is nobody's to record."""
+    if not world.swept:
+        return
+    t = ledger.ticks
+    with world.site.engine.connect() as conn:
+        rows = conn.execute(select(t.c.job_key, t.c.scheduled_at, t.c.manual)).all()
+    for key, held in world.history.items():
+        have = {tick for k, tick, _ in rows if k == key}
+        bound = missed_bound(held[0].job, world.swept[-1][0])
+        due = due_ticks(held, world.tracked_since, bound) - have
+        missing = sorted(tick for tick in due if _judged(world, held[0].job, tick))
+        if missing:
+            raise Violation(
+                "every_tick_explained",
+                f"job {key}: {len(missing)} tick(s) due and without a row after a sweep, "
+                f"first {[f'{m:%H:%M:%S}' for m in missing[:5]]}",
+            )
+    for key, tick, manual in rows:
+        if manual or (key, tick) in world.fired:  # fired early by a replica ahead: by design
+            continue
+        if not any(h.contains(tick) for h in world.history.get(key, [])):
+            raise Violation(
+                "every_tick_explained",
+                f"job {key}: a row for tick {tick:%H:%M:%S}, which no schedule in force had "
+                "and no replica fired",
+            )
+
+
+def _judged(world: World, job: CatalogJob, tick: datetime) -> bool:
+    """Whether, at the whole sweep whose window held `tick`, a live replica had the job."""
+    for sweep_now, keys in world.swept:
+        if missed_bound(job, sweep_now) >= tick:
+            return job.key in keys
+    return False
+
+
+def due_ticks(held: list[InForce], since: datetime, until: datetime) -> set[datetime]:
+    """The ticks in (since, until] that were due (a schedule was in force, and all that
+    were contained them): a job's ticks count from after it was first tracked."""
+    candidates: set[datetime] = set()
+    for h in held:
+        start = max(h.since - timedelta(microseconds=1), since)
+        end = until if h.until is None else min(h.until, until)
+        if h.job.trigger is None or start >= end:
+            continue
+        for tick in _ticks(h.job.trigger, start):
+            if tick > end:
+                break
+            candidates.add(tick)
+    return {tick for tick in candidates if _was_due(held, tick)}
+
+
+def _was_due(held: list[InForce], tick: datetime) -> bool:
+    in_force = [h for h in held if h.since <= tick and (h.until is None or tick <= h.until)]
+    return bool(in_force) and all(h.contains(tick) for h in in_force)
+
+
+AT_REST = (every_tick_explained,)

@@ -69,3 +69,18 @@ EXPLAIN_EVERY_PLAN = {
     "auto_explain.log_nested_statements": "on",
     "auto_explain.log_level": "notice",
 }
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "embedded"])
+def test_a_sweep_by_a_replica_without_a_job_leaves_that_jobs_missed_ticks(kind, pg_server):
+    """The missed-tick window is the fleet's, but a sweep walked only its own replica's
+    jobs: a replica restarted without `night` swept first, and the night ticks of the
+    fleet that was down were never recorded (seed 1 found it)."""
+    steps = [
+        Step("step_all"),  # every replica's session opens: all live
+        Step("crash_restart", 2, 2),  # r2 comes back with the configuration without `night`
+        Step("step", 2),
+        Step("sweep", 2, 1),  # and wins the first sweep
+    ]
+    played = play(kind, pg_server, 1, steps)
+    assert played.violation is None, played.violation

@@ -10,6 +10,7 @@ thread would call it. The world's time is the monotonic clock of every gate.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,21 +22,25 @@ from sqlalchemy import select, update
 
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
-from scheduler.config.schedules import _ticks, next_ticks, tick_after
+from scheduler.config.schedules import _ticks, tick_after
 from scheduler.fleet import catch_up, pauses
+from scheduler.fleet.housekeeping import SWEEP_EVERY
 from scheduler.gate import Gate
 from scheduler.gate.runs import Run
 from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.statuses import TIMED_OUT, Status
-from tests.simulation import jobs, rules
+from tests.simulation import jobs, rules, sweeps
 from tests.simulation.faults import Faulty
 from tests.simulation.rules import Violation
 from tests.simulation.sites import HOLDER_TIMEOUT
-from tests.simulation.steps import CALL_FAULTS, Step
+from tests.simulation.steps import ARMED, CALL_FAULTS, Step
 
 REPLICAS = 3
 MAX_WORKERS = 3
 BY_HAND = frozenset({Intent.MANUAL, Intent.CATCH_UP})
+# Steps that change neither the ledger nor the locks unless a gate calls its backend
+# (which `touched` notes): the rules that read them are not read again after these.
+QUIET = frozenset({"tick", "freeze", "clock_jump", "clock_skew", "reload", "run_now", "finish"})
 
 
 @dataclass(eq=False)
@@ -138,6 +143,11 @@ class World:
     thresholds: dict[int, int] = field(default_factory=dict)  # of each job's latest skip
     faults: Counter[str] = field(default_factory=Counter)
     checked: int = 0  # rules checked
+    # Each whole sweep (its missed ticks recorded): its clock, and the jobs live replicas had.
+    swept: list[tuple[datetime, frozenset[int]]] = field(default_factory=list)
+    fired: set[tuple[int, datetime]] = field(default_factory=set)  # by some replica's scheduler
+    tracked_since: datetime = field(init=False)
+    touched: bool = True  # a call or a step may have changed the ledger or the locks
     step_errors: int = 0  # errors a step let through (the real loop logs them, goes on)
     restarts: int = 0
     log: list[str] = field(default_factory=list)  # what happened, for a failure's report
@@ -151,6 +161,8 @@ class World:
     def __post_init__(self) -> None:
         self.reference = Reference(self.start - timedelta(hours=2))
         began, ended = self.start - jobs.DOWN_FOR - jobs.RAN_FOR, self.start - jobs.DOWN_FOR
+        self.tracked_since = began
+        sweeps.track(self.site.engine, jobs.catalog(1), began)
         self._register("gone", jobs.catalog(1), began, ended)
 
     def _register(
@@ -164,6 +176,7 @@ class World:
             self.registered.append(
                 ledger.Registration(name, job.key, job.name, schedule_text(job), since, until)
             )
+        sweeps.write_registrations(self.site.engine, self.registered[-len(made) :])
         return made
 
     def say(self, text: str) -> None:
@@ -190,6 +203,7 @@ class World:
             fired=lambda kind: self.faults.update([kind]),
             observe=self._observe,
             say=lambda text: self.say(text),
+            touch=self._touch,
         )
         replica_clock = lambda: self.now() + holder[0].skew  # noqa: E731
         gate = Gate(
@@ -268,6 +282,7 @@ class World:
         """The replica's lock session ends under it: its locks go, its runs go on.
         False where only the replica itself can find its session lost (embedded)."""
         session = replica.gate.session
+        self.touched = True
         if not self.site.kill(replica.proxy):
             return False
         for sim in self.live_runs():
@@ -277,9 +292,15 @@ class World:
 
     # -- playing a step --------------------------------------------------------------
 
+    def _touch(self) -> None:
+        self.touched = True
+
     def play(self, step: Step) -> None:
         self.say(str(step))
+        self.touched = step.action not in QUIET
         getattr(self, f"_{step.action}")(step)
+        if not self.touched:
+            return
         for rule in rules.AFTER_STEP:
             self.checked += 1
             rule(self)
@@ -318,11 +339,12 @@ class World:
                 if not job.scheduled:
                     continue
                 assert job.trigger is not None
-                ticks = [t for t in next_ticks(job.trigger, replica.fired, 200) if t <= until]
+                ticks = fired_ticks(job, replica.fired, until)
                 self.checked += 1
                 expected = self.reference.between(job, replica.fired, until)
                 rules.same_instants(self, job.key, ticks, expected, replica.name)
                 for tick in ticks:
+                    self.fired.add((job.key, tick))
                     replica.gate.submit(job, tick)
         replica.fired = until
 
@@ -365,12 +387,18 @@ class World:
         gate.finishes.ended(run, status, error)
 
     def _fault_call(self, step: Step) -> None:
-        replica = self._replica(step.a)
-        # Whichever call comes first, or the first of one kind that changes something;
-        # a fault still waiting gives way to this one.
+        """A fault for the next call that changes something, or for the next of one kind;
+        it goes to a replica with none waiting (where every one waits, it takes the place
+        of one). Time passes (a tick) and that replica takes a step at once: the fault
+        meets whatever it has to do, most often a claim."""
+        count = len(self.replicas)
+        order = [self._replica(step.a + i) for i in range(count)]
+        replica = next((r for r in order if r.proxy.armed is None), order[0])
         targets = (None, None, None, "claim", "finish", "claim_retries")
         target = targets[(step.c >> 8) % len(targets)]
-        replica.proxy.armed = (CALL_FAULTS[step.b % len(CALL_FAULTS)], step.c, target)
+        replica.proxy.armed = (ARMED[step.b % len(ARMED)], step.c, target)
+        self._tick(step)
+        self._step_one(replica)
 
     def _freeze(self, step: Step) -> None:
         replica = self._replica(step.a)
@@ -426,6 +454,7 @@ class World:
         instance = replica.proxy._real.instance
         for held in replica.in_force:
             held.until = self.now()
+        sweeps.end_registrations(self.site.engine, instance, self.now())
         self.registered = [
             dataclasses.replace(r, until=self.now())
             if r.instance == instance and r.until is None
@@ -519,6 +548,44 @@ class World:
                 replica.proxy.armed = ("lost", 0, None)
         self.faults.update(["database_restart"])
 
+    def sweep_now(self) -> datetime:
+        """The sweep's clock: the database's, which is the world's (no skew)."""
+        return self.now()
+
+    def _sweep(self, step: Step) -> None:
+        """A replica's housekeeping pass (the election, stale runs, registrations, missed
+        ticks); one in three is cut short as it records missed ticks (its session lost)."""
+        order = [self._replica(step.a + i) for i in range(len(self.replicas))]
+        awake = [r for r in order if not r.frozen(self.t)]
+        if awake:
+            self.sweep(awake[0], cut_short=step.b % 3 == 0)
+
+    def sweep(self, replica: Replica, cut_short: bool = False) -> None:
+        keeper = sweeps.keeper(replica.proxy._real, replica.catalog, self.sweep_now)
+        if cut_short:
+            keeper.sweep_missed = self._cut_short  # type: ignore[method-assign]
+        try:
+            done = keeper.run_once()
+        except Exception as exc:
+            self.say(f"{replica.name} sweep failed: {exc}")
+            self.step_errors += 1
+            return
+        if "missed" in done:
+            self.swept.append((self.sweep_now(), self._live_jobs(replica)))
+        self.say(f"{replica.name} sweep: {done}")
+
+    def _live_jobs(self, sweeper: Replica) -> frozenset[int]:
+        """The jobs of the sweeper and of the replicas live as the database sees them (a
+        session that holds the presence lock), which are what a sweep can judge."""
+        with self.site.engine.connect() as conn:
+            live = {i["name"] for i in sweeper.proxy._real.live_instances(conn)}
+        up = [r for r in self.replicas if r is sweeper or r.proxy._real.instance in live]
+        return frozenset(key for r in up for key in r.catalog)
+
+    def _cut_short(self, *args: object) -> int:
+        self.faults.update(["sweep_cut_short"])
+        raise ConnectionError("simulated: the sweep's session was lost")
+
     # -- the end ---------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -532,11 +599,27 @@ class World:
         for _ in range(4):
             self.t += HOLDER_TIMEOUT / 3 + 1
             self.play(Step("step_all"))
+        whole = len(self.swept)
+        for replica in self.replicas:  # the next sweep is due: a replica that can runs it
+            self.t += SWEEP_EVERY
+            self.sweep(replica)
+            if len(self.swept) > whole:
+                break
+        for rule in rules.AT_REST:
+            self.checked += 1
+            rule(self)
 
     def close(self) -> None:
         for replica in self.replicas:
             replica.gate.table.stopping.set()
             replica.proxy._real.close()
+
+
+def fired_ticks(job: CatalogJob, after: datetime, until: datetime) -> list[datetime]:
+    """The ticks in (after, until], at most 200: walked only as far as `until`."""
+    assert job.trigger is not None
+    walk = itertools.islice(_ticks(job.trigger, after), 200)
+    return list(itertools.takewhile(lambda tick: tick <= until, walk))
 
 
 def _brief(result: Any) -> str:
