@@ -1,6 +1,6 @@
 """Play a list of steps in a fresh world; shrink a failing list to a short trace.
 
-SIM_SEEDS and SIM_STEPS scale the budget (see docs/testing.md for the long run).
+SIM_SEEDS and SIM_STEPS scale the budget (see docs/faults.md, Simulation, for the long run).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from tests.simulation.sites import EmbeddedSite, PgSite
 from tests.simulation.steps import Step, draw
 from tests.simulation.world import REPLICAS, World
 
-DEFAULT_SEEDS = 4
-DEFAULT_STEPS = 200
+DEFAULT_SEEDS = 6
+DEFAULT_STEPS = 500
 FIRST_SEED = 1
 
 

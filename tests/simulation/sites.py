@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,14 @@ class PgSite:
 
     def restart(self) -> None:
         """Every session of the database ended, as a restart of the server would."""
-        self.admin.execute(
-            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        others = (
+            "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
+        self.admin.execute(f"SELECT pg_terminate_backend(pid) {others}")
+        for _ in range(500):  # all at once, then until every one has ended (5 s at most)
+            if not self.admin.execute(f"SELECT count(*) {others}").fetchone()[0]:  # type: ignore[index]
+                break
+            time.sleep(0.01)
         self.engine.dispose()
 
     def close(self) -> None:

@@ -30,7 +30,6 @@ FAULTS = (
     "retry_due",
     "catch_up",
     "database_restart",
-    "sweep_cut_short",
 )
 CALL_FAULTS = (
     "error_before",
@@ -60,15 +59,15 @@ WEIGHTS = (
     ("step_all", 18),
     ("step", 8),
     ("finish", 16),
-    ("fault_call", 30),
-    ("freeze", 3),
+    ("fault_call", 46),
+    ("freeze", 4),
     ("clock_jump", 3),
     ("clock_skew", 3),
-    ("restart_other_schedule", 3),
+    ("restart_other_schedule", 4),
     ("crash_restart", 3),
     ("reload", 3),
     ("pause_resume", 3),
-    ("run_now", 3),
+    ("run_now", 4),
     ("retry_due", 3),
     ("catch_up", 3),
     ("database_restart", 3),
@@ -77,9 +76,12 @@ WEIGHTS = (
 # The call faults a fault step arms, the ones met inside a statement more often: they
 # wait for a call that writes where they are set.
 ARMED = (
-    *("error_before", "reply_lost", "killed_session") * 2,
-    *("statement_timeout", "lock_timeout") * 3,
-    *("deadlock",) * 4,
+    *("error_before",) * 3,
+    *("reply_lost",) * 4,
+    *("killed_session",) * 3,
+    *("statement_timeout",) * 5,
+    *("lock_timeout",) * 6,
+    *("deadlock",) * 5,
 )
 
 

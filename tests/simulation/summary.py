@@ -10,6 +10,7 @@ from tests.simulation.steps import FAULTS
 
 TOTALS: dict[str, Any] = {"seeds": 0, "steps": 0, "kinds": [], "faults": {}, "checked": 0}
 VIOLATIONS: list[int] = [0]
+CUT = "sweep_cut_short"  # not a fault of the budget's: a sweep step's own (world._sweep)
 
 
 def add(kind: str, played: Played, steps: int) -> None:
@@ -46,6 +47,7 @@ def line() -> str | None:
     faults = ", ".join(f"{kind} {TOTALS['faults'].get(kind, 0)}" for kind in FAULTS)
     return (
         f"simulation: {seeds} seeds x {TOTALS['steps']} steps ({', '.join(kinds)}); "
-        f"faults injected: {faults}; rules checked: {TOTALS['checked']}; "
+        f"faults injected: {faults}; sweeps cut short: {TOTALS['faults'].get(CUT, 0)}; "
+        f"rules checked: {TOTALS['checked']}; "
         f"violations: {VIOLATIONS[0]}"
     )

@@ -10,11 +10,11 @@ from scheduler.backends.base import ClaimRequest, Intent
 from tests.simulation import jobs
 from tests.simulation.play import play
 from tests.simulation.sites import PgSite
-from tests.simulation.steps import CALL_FAULTS, Step
+from tests.simulation.steps import ARMED, Step
 
 pytestmark = pytest.mark.simulation
 
-REPLY_LOST = CALL_FAULTS.index("reply_lost")
+REPLY_LOST = ARMED.index("reply_lost")
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "embedded"])

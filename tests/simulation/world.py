@@ -554,11 +554,11 @@ class World:
 
     def _sweep(self, step: Step) -> None:
         """A replica's housekeeping pass (the election, stale runs, registrations, missed
-        ticks); one in three is cut short as it records missed ticks (its session lost)."""
+        ticks); one in two is cut short as it records missed ticks (its session lost)."""
         order = [self._replica(step.a + i) for i in range(len(self.replicas))]
         awake = [r for r in order if not r.frozen(self.t)]
         if awake:
-            self.sweep(awake[0], cut_short=step.b % 3 == 0)
+            self.sweep(awake[0], cut_short=step.b % 2 == 0)
 
     def sweep(self, replica: Replica, cut_short: bool = False) -> None:
         keeper = sweeps.keeper(replica.proxy._real, replica.catalog, self.sweep_now)
