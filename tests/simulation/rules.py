@@ -10,10 +10,11 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from scheduler import ledger
 from scheduler.config.schedules import _ticks
+from scheduler.observers import alerts
 from tests.simulation.sweeps import missed_bound
 
 if TYPE_CHECKING:
@@ -169,7 +170,27 @@ def streaks_recount(world: World) -> None:
             )
 
 
-AFTER_STEP = (locks_follow_runs, streaks_recount)
+def one_alert_per_streak(world: World) -> None:
+    """Skips (guarantee 7): exactly one alert for the fleet per streak of skipped ticks that
+    reached the threshold in force (never two for one streak, whoever claimed its ticks)."""
+    n = ledger.notices
+    query = (
+        select(n.c.job_key, func.count())
+        .where(n.c.event == alerts.SKIPS_EXCEEDED)
+        .group_by(n.c.job_key)
+    )
+    with world.site.engine.connect() as conn:
+        raised = dict(conn.execute(query).tuples().all())
+    for key, count in raised.items():
+        if count > world.reached.get(key, 0):
+            raise Violation(
+                "one_alert_per_streak",
+                f"job {key}: {count} skip alerts, for {world.reached.get(key, 0)} streak(s) "
+                "that reached the threshold",
+            )
+
+
+AFTER_STEP = (locks_follow_runs, streaks_recount, one_alert_per_streak)
 
 
 # -- once the fleet has settled and a sweep has run -------------------------------------

@@ -141,6 +141,8 @@ class World:
     paused: set[int] = field(default_factory=set)
     streaks: dict[int, int] = field(default_factory=dict)  # skip streaks, from the claims
     thresholds: dict[int, int] = field(default_factory=dict)  # of each job's latest skip
+    reached: dict[int, int] = field(default_factory=dict)  # streaks that reached it, by job
+    alerted: set[int] = field(default_factory=set)  # jobs whose streak reached it
     faults: Counter[str] = field(default_factory=Counter)
     checked: int = 0  # rules checked
     # Each whole sweep (its missed ticks recorded): its clock, and the jobs live replicas had.
@@ -251,6 +253,7 @@ class World:
         ran = {r.key for r in results if r.outcome is Outcome.RUN}
         for key in ran:
             self.streaks[key] = 0
+            self.alerted.discard(key)
         for result in results:
             request = asked[(result.key, result.scheduled_at)]
             if result.outcome is not Outcome.SKIPPED or request.intent in BY_HAND:
@@ -264,6 +267,10 @@ class World:
                 if r.key == result.key and r.intent not in BY_HAND
             ]
             self.thresholds[result.key] = min(thresholds)
+        for key, streak in self.streaks.items():
+            if key not in self.alerted and streak >= self.thresholds.get(key, streak + 1):
+                self.alerted.add(key)  # this streak reached its threshold: one alert
+                self.reached[key] = self.reached.get(key, 0) + 1
 
     def _behind_by_hand(self, key: int) -> bool:
         """A skip behind a run a person asked for counts in no streak (the newest running
