@@ -180,7 +180,7 @@ def one_alert_per_streak(world: World) -> None:
         .group_by(n.c.job_key)
     )
     with world.site.engine.connect() as conn:
-        raised = dict(conn.execute(query).tuples().all())
+        raised = {key: count for key, count in conn.execute(query)}
     for key, count in raised.items():
         if count > world.reached.get(key, 0):
             raise Violation(
