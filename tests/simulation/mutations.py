@@ -19,7 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCHES = Path(__file__).resolve().parent / "mutations"
-IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "site", ".ruff_cache")
+IGNORE = shutil.ignore_patterns(
+    ".git", ".venv*", "__pycache__", "*.egg-info", "site", ".*_cache", ".hypothesis"
+)
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
@@ -43,7 +45,7 @@ def play_here(seeds: int, steps: int) -> int:
 def try_patch(patch: Path, seeds: int, steps: int) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="scheduler-mutant-") as folder:
         copy = Path(folder) / "tree"
-        shutil.copytree(ROOT, copy, ignore=IGNORE)
+        shutil.copytree(ROOT, copy, ignore=IGNORE, symlinks=True)  # a link is not followed
         subprocess.run(["patch", "-s", "-p1", "-i", str(patch)], cwd=copy, check=True)
         env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
         done = subprocess.run(
