@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.executors.base import BaseExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -45,6 +45,10 @@ from scheduler.observers.notices import Notices
 from scheduler.observers.pings import Pings
 from scheduler.observers.runlog import RunLog
 from scheduler.registry.catalog import Catalog, CatalogJob
+
+if TYPE_CHECKING:  # imported when used: a replica without an HTTP port never loads them
+    from scheduler.observers.metrics import Metrics
+    from scheduler.web.server import HealthServer
 
 log = logging.getLogger("scheduler.daemon")
 
@@ -163,6 +167,12 @@ def reschedule(scheduler: GateScheduler, catalog: Catalog, since: datetime) -> N
         scheduler.resume()
 
 
+def _metrics(catalog: Catalog) -> Metrics:
+    from scheduler.observers.metrics import Metrics
+
+    return Metrics([job.name for job in catalog])
+
+
 class Daemon:
     """One replica: backend, gate, scheduler, optional HTTP; signals end it (`run`), or
     its host does (`begin`, then `stop_requested` and `shutdown`, when `hosted`)."""
@@ -188,19 +198,8 @@ class Daemon:
         self.reloads = PendingReload(monotonic)
         self.signals = 0
         # Metrics exist to be scraped: without an HTTP port (or a host's app), none are kept.
-        self.metrics = None
-        if self.settings.http_port or hosted:
-            from scheduler.observers.metrics import Metrics
-
-            self.metrics = Metrics([job.name for job in catalog])
-        webhook = self.settings.alert_webhook_url
-        self.notices = Notices(
-            self.backend.ledger_engine,
-            self.settings.instance_name,
-            webhook.get_secret_value() if webhook else None,
-            on_alert=self.metrics.alert if self.metrics else None,
-            on_delivery=self.metrics.delivery if self.metrics else None,
-        )
+        self.metrics = _metrics(catalog) if self.settings.http_port or hosted else None
+        self.notices = self._notices()
         self.pings = Pings()
         observers = [
             RunLog(structured=self.settings.log_format == "json"),
@@ -230,21 +229,33 @@ class Daemon:
             notices=self.notices,
         )
         self.scheduler = build_scheduler(catalog, self.gate)
-        self.http = None
-        if self.settings.http_port:
-            from scheduler.web.server import HealthServer
+        self.http = self._http(self.settings.http_port) if self.settings.http_port else None
 
-            assert self.metrics is not None  # kept whenever there is an HTTP port
-            self.http = HealthServer(
-                self.settings.http_host,
-                self.settings.http_port,
-                live=self.live,
-                ready=self.ready,
-                metrics=self.metrics.render,
-            )
-            from scheduler.web import mount
+    def _notices(self) -> Notices:
+        webhook = self.settings.alert_webhook_url
+        return Notices(
+            self.backend.ledger_engine,
+            self.settings.instance_name,
+            webhook.get_secret_value() if webhook else None,
+            on_alert=self.metrics.alert if self.metrics else None,
+            on_delivery=self.metrics.delivery if self.metrics else None,
+        )
 
-            mount(self.http, self.backend, lambda: self.catalog, self.settings)
+    def _http(self, port: int) -> HealthServer:
+        """The probes, /metrics and the page, on the replica's own port."""
+        from scheduler.web import mount
+        from scheduler.web.server import HealthServer
+
+        assert self.metrics is not None  # kept whenever there is an HTTP port
+        http = HealthServer(
+            self.settings.http_host,
+            port,
+            live=self.live,
+            ready=self.ready,
+            metrics=self.metrics.render,
+        )
+        mount(http, self.backend, lambda: self.catalog, self.settings)
+        return http
 
     def prepare(self) -> bool:
         """Create or migrate the schema; waits for the database rather than exiting.

