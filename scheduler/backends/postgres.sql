@@ -64,8 +64,9 @@ BEGIN
 END;
 $$;
 
--- Which live replica's share of a burst a job key falls in (Knuth's multiplicative hash;
--- scheduler/backends/postgres.py computes the same, to leave other shares out of a batch).
+-- Which live replica's share of a burst a job key falls in (Knuth's multiplicative hash).
+-- The one home of the rule: the embedded backend has no shares (its claims take turns at
+-- SQLite's one writer, so a burst spread over its replicas would gain nothing).
 CREATE FUNCTION scheduler_share(p_key integer, p_live integer)
 RETURNS integer LANGUAGE sql IMMUTABLE AS $$
     SELECT mod(mod(p_key::bigint * 2654435761, 4294967296), greatest(p_live, 1))::integer
@@ -78,7 +79,8 @@ CREATE TYPE scheduler_tick AS (
     tick         timestamptz,
     intent       text,
     threshold    integer,
-    fate         text,   -- running, skipped, missed, paused, held (after the insert: lost)
+    fate         text,   -- running, skipped, missed, paused: a row to insert; held, lost,
+                         -- yielded, deferred: an answer without a row of this replica's
     run_id       bigint,
     started_at   timestamptz,
     holder       text,
@@ -87,28 +89,30 @@ CREATE TYPE scheduler_tick AS (
     fail_threshold integer -- the job's fail_alert_after (crashed runs count as failures)
 );
 
--- Whose run holds a job now: its newest `running` row, other than ticks of this claim, and
--- whether a person asked for it (a run-now).
+-- Whose run holds a job now: its newest `running` row, other than rows this claim inserted
+-- (a tick it lost is another replica's run), and whether a person asked for it (a run-now).
 CREATE FUNCTION scheduler_holder(
     p_key integer, p_ticks scheduler_tick[], OUT instance text, OUT since timestamptz,
     OUT by_hand boolean
 ) LANGUAGE sql STABLE AS $$
     SELECT r.instance, r.started_at, r.manual FROM scheduler_ticks r
      WHERE r.job_key = p_key AND r.status = 'running'
-       AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c)
+       AND (r.job_key, r.scheduled_at) NOT IN (SELECT c.key, c.tick FROM unnest(p_ticks) c
+                                                WHERE c.fate IN ('running', 'skipped'))
      ORDER BY r.scheduled_at DESC LIMIT 1
 $$;
 
--- Step 1. Choose: what this claim tries to insert.
+-- Step 1. Choose: a fate for every tick sent, before any row is written.
 --   manual     -> running (its lock is taken first, below; a person asked, paused or not)
 --   paused job -> paused (whatever the intent and however late: nobody is meant to run it)
 --   skip       -> skipped (this replica still runs the job; late or not, it is recorded)
 --   run, late  -> missed (past its grace by the database clock, the same for every replica)
---   run        -> running, if it is this replica's share of a burst (or old enough to be
---                 anyone's) and within p_capacity, this replica's free workers.
 --   catch_up   -> missed if past its grace (the job's catch_up_window), else running.
--- Ticks not chosen are not answered: the caller reads them as lost, yielded or deferred
--- from the claim's summary (see scheduler_claim).
+--   run        -> lost if a replica owns it already; yielded if it is another live
+--                 replica's share of a burst and too young to be anyone's; else running,
+--                 within p_capacity (this replica's free workers), and deferred beyond.
+-- Running, skipped, missed and paused are rows to insert (step 3); lost, yielded and
+-- deferred are answers already, and the steps below pass them through.
 CREATE FUNCTION scheduler_choose(
     p_capacity integer, p_takeover double precision, p_live integer, p_rank integer,
     p_keys integer[], p_names text[], p_ticks timestamptz[], p_intents text[],
@@ -140,12 +144,14 @@ BEGIN
                 WHEN q.intent = 'skip' THEN 'skipped'
                 WHEN q.intent = 'manual' THEN 'running'
                 WHEN q.late THEN 'missed'
-                ELSE 'running' END,  -- catch_up: running (its lock is taken first, below)
+                WHEN q.intent = 'catch_up' THEN 'running'  -- its lock is taken first, below
+                WHEN q.taken THEN 'lost'
+                WHEN NOT q.mine THEN 'yielded'
+                WHEN runs.key IS NOT NULL THEN 'running'
+                ELSE 'deferred' END,
            NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::boolean,
            q.fail_threshold
-      FROM q
-     WHERE q.paused OR q.intent IN ('skip', 'manual', 'catch_up') OR (q.intent = 'run' AND q.late)
-        OR (q.key, q.tick) IN (SELECT runs.key, runs.tick FROM runs);
+      FROM q LEFT JOIN runs ON runs.key = q.key AND runs.tick = q.tick;
 END;
 $$;
 
@@ -171,9 +177,9 @@ BEGIN
 END;
 $$;
 
--- Step 3. Insert: one INSERT for every chosen tick, in the common order. The primary key
--- (job_key, scheduled_at) lets exactly one replica own a tick; a tick some replica
--- already owns is `lost` here.
+-- Step 3. Insert: one INSERT for every tick with a row to insert, in the common order. The
+-- primary key (job_key, scheduled_at) lets exactly one replica own a tick; a tick some
+-- replica already owns is `lost` here.
 CREATE FUNCTION scheduler_insert_ticks(p_instance text, p_ticks scheduler_tick[])
 RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -188,13 +194,15 @@ BEGIN
                CASE WHEN c.fate = 'running' THEN clock_timestamp() END,
                c.intent = 'manual', c.intent = 'catch_up' AND c.fate = 'running'
           FROM unnest(p_ticks) c
-         WHERE c.fate <> 'held'
+         WHERE c.fate IN ('running', 'skipped', 'missed', 'paused')
          ORDER BY c.tick, c.key
         ON CONFLICT DO NOTHING
         RETURNING r.job_key, r.scheduled_at, r.run_id, r.started_at
     )
     SELECT c.key, c.name, c.tick, c.intent, c.threshold,
-           CASE WHEN c.fate = 'held' OR i.job_key IS NOT NULL THEN c.fate ELSE 'lost' END,
+           CASE WHEN i.job_key IS NOT NULL
+                  OR c.fate NOT IN ('running', 'skipped', 'missed', 'paused') THEN c.fate
+                ELSE 'lost' END,
            i.run_id, i.started_at, c.holder, c.holder_since, c.by_hand, c.fail_threshold
       FROM unnest(p_ticks) c
       LEFT JOIN inserted i ON i.job_key = c.key AND i.scheduled_at = c.tick;
@@ -204,7 +212,8 @@ $$;
 -- Step 4. Lock or skip: the owner of a tick tries its job's lock, in the common order.
 -- Got it: the run starts. Held: the previous run is still going, the tick is `skipped`.
 -- Intent `skip` never gets here: advisory locks stack within a session, so the replica
--- that runs the job must never ask for its lock again.
+-- that runs the job must never ask for its lock again. A manual run or a caught-up tick
+-- that took its lock first (step 2) and lost its row gives the lock back.
 CREATE FUNCTION scheduler_take_locks(p_namespace integer, p_ticks scheduler_tick[])
 RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 DECLARE
@@ -214,6 +223,8 @@ BEGIN
         IF t.fate = 'running' AND t.intent = 'run'
            AND NOT pg_try_advisory_lock(p_namespace, t.key) THEN
             t.fate := 'skipped';
+        ELSIF t.fate = 'lost' AND t.intent IN ('manual', 'catch_up') THEN
+            PERFORM pg_advisory_unlock(p_namespace, t.key);
         END IF;
         RETURN NEXT t;
     END LOOP;
@@ -438,64 +449,17 @@ BEGIN
 END;
 $$;
 
--- scheduler_claim: claim a batch of ticks, the steps above in order.
---
--- Answers one row per tick this replica now owns (run, skipped, missed, paused; manual:
--- held or lost), and one `fleet` row, the summary of the rest: ticks sent and not answered are
--- lost (another replica owns them), yielded (another live replica's share of a burst, to
--- try again once anyone may take it: `mine` in scheduler_choose), or deferred (this
--- replica's, beyond its free workers: after (deferred_after, deferred_key) in the common
--- order). So the answer stays small however large the burst: about 100 bytes per tick
--- this replica recorded. Bursts smaller than p_share_from ticks are not shared out.
-CREATE FUNCTION scheduler_claim(
-    p_namespace  integer,
-    p_instance   text,
-    p_capacity   integer,
-    p_takeover   double precision,
-    p_share_from integer,
-    p_crashed    text,
-    p_keys       integer[],
-    p_names      text[],
-    p_ticks      timestamptz[],
-    p_intents    text[],
-    p_graces     double precision[],
-    p_thresholds integer[],
-    -- Callers of a version before pauses (a rolling upgrade) do not know the outcome
-    -- `paused`: their paused ticks are left out of the answer, which they read as lost.
-    p_answer_paused boolean DEFAULT false,
-    -- Each job's fail_alert_after (crashed runs count as failures); older callers: 3.
-    p_fail_thresholds integer[] DEFAULT NULL
-) RETURNS TABLE (
-    job_key        integer,
-    scheduled_at   timestamptz,
-    outcome        text,
-    run_id         bigint,
-    started_at     timestamptz,
-    holder         text,
-    holder_since   timestamptz,
-    streak         integer,
-    alert          boolean,
-    notice         bigint,
-    crashed        integer,
-    live           integer,
-    rank           integer,
-    db_now         timestamptz,
-    deferred_after timestamptz,
-    deferred_key   integer
-) LANGUAGE plpgsql
--- The planner cannot know how many ticks a call carries and guesses a handful;
--- its nested loops over them would make a burst of n ticks cost n^2.
-SET enable_nestloop = off
--- A statement with no plan but a nested loop (a LATERAL call: record_skips) is then costed
--- past jit_above_cost, and JIT compiling it took 0.7 s of the lock session per skip.
-SET jit = off
-AS $$
+-- Steps 6 and 7, on the jobs' rows: stale runs crashed and counted as failures, then the
+-- skip streaks. The rows of scheduler_jobs both touch are made and locked once, in key
+-- order (two passes could cross another claim's). One row per tick that runs or was
+-- skipped, with what its answer carries: a skip's streak and alert; a run's streak it
+-- ends, the stale runs it crashed and the alert they raised.
+CREATE FUNCTION scheduler_settle_jobs(p_instance text, p_crashed text, p_ticks scheduler_tick[])
+RETURNS TABLE (key integer, tick timestamptz, streak integer, alert boolean, crashed integer,
+               notice bigint)
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    v_live integer;
-    v_rank integer;
-    v_ticks scheduler_tick[];
-    v_last scheduler_tick;
     v_stale_keys integer[];
     v_stale_counts integer[];
     v_stale_ticks timestamptz[];
@@ -503,83 +467,185 @@ DECLARE
     v_stale_thresholds integer[];
     v_crash_keys integer[];
     v_crash_notices bigint[];
-    v_streak_keys integer[];
-    v_streak_ticks timestamptz[];
-    v_streak_values integer[];
-    v_streak_alerts boolean[];
-    v_streak_notices bigint[];
 BEGIN
-    SELECT f.live, f.rank INTO v_live, v_rank FROM scheduler_fleet(p_namespace) f;
-    v_ticks := ARRAY(SELECT c FROM scheduler_choose(
-        p_capacity, p_takeover, CASE WHEN cardinality(p_keys) < p_share_from THEN 1 ELSE v_live END,
-        v_rank, p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds,
-        coalesce(p_fail_thresholds, array_fill(3, ARRAY[cardinality(p_keys)]))) c);
-    IF (SELECT count(*) FROM unnest(v_ticks) c WHERE c.intent = 'run' AND c.fate = 'running')
-       >= p_capacity THEN
-        -- This replica's ticks after this one were left for lack of free workers.
-        SELECT * INTO v_last FROM unnest(v_ticks) c WHERE c.intent = 'run' AND c.fate = 'running'
-         ORDER BY c.tick DESC, c.key DESC LIMIT 1;
+    IF NOT EXISTS (SELECT 1 FROM unnest(p_ticks) c WHERE c.fate IN ('running', 'skipped')) THEN
+        RETURN;
     END IF;
-    v_ticks := ARRAY(SELECT c FROM scheduler_lock_manual(p_namespace, v_ticks) c);
-    v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(p_instance, v_ticks) c);
-    PERFORM pg_advisory_unlock(p_namespace, c.key)  -- a manual run that lost its row
-       FROM unnest(v_ticks) c WHERE c.intent IN ('manual', 'catch_up') AND c.fate = 'lost';
-    v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
-    v_ticks := ARRAY(SELECT c FROM scheduler_recheck_pauses(p_namespace, v_ticks) c);
-    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN
-        v_ticks := ARRAY(SELECT c FROM scheduler_record_skips(v_ticks) c);
-    END IF;
-    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'running') THEN
-        SELECT array_agg(s.key), array_agg(s.crashed), array_agg(s.newest), array_agg(s.name),
-               array_agg(s.fail_threshold)
-          INTO v_stale_keys, v_stale_counts, v_stale_ticks, v_stale_names, v_stale_thresholds
-          FROM scheduler_crash_stale(v_ticks, p_crashed) s;
-    END IF;
+    SELECT array_agg(s.key), array_agg(s.crashed), array_agg(s.newest), array_agg(s.name),
+           array_agg(s.fail_threshold)
+      INTO v_stale_keys, v_stale_counts, v_stale_ticks, v_stale_names, v_stale_thresholds
+      FROM scheduler_crash_stale(p_ticks, p_crashed) s;
     IF v_stale_keys IS NOT NULL THEN
-        -- The rows of scheduler_jobs both this count and step 7 touch, made and locked
-        -- once, in key order (two passes could cross another claim's).
         INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
-        SELECT c.key, min(c.name), now() FROM unnest(v_ticks) c
+        SELECT c.key, min(c.name), now() FROM unnest(p_ticks) c
          WHERE c.fate IN ('running', 'skipped') GROUP BY c.key ORDER BY c.key
         ON CONFLICT DO NOTHING;
         PERFORM 1 FROM scheduler_jobs j
-          WHERE j.job_key IN (SELECT c.key FROM unnest(v_ticks) c
+          WHERE j.job_key IN (SELECT c.key FROM unnest(p_ticks) c
                                WHERE c.fate IN ('running', 'skipped'))
           ORDER BY j.job_key FOR UPDATE;
         SELECT array_agg(x.key), array_agg(x.notice) INTO v_crash_keys, v_crash_notices
           FROM scheduler_count_crashes(p_instance, v_stale_keys, v_stale_names, v_stale_counts,
                                        v_stale_ticks, v_stale_thresholds) x;
     END IF;
-    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate IN ('running', 'skipped')) THEN
-        SELECT array_agg(s.key), array_agg(s.tick), array_agg(s.streak), array_agg(s.alert),
-               array_agg(s.notice)
-          INTO v_streak_keys, v_streak_ticks, v_streak_values, v_streak_alerts, v_streak_notices
-          FROM scheduler_skip_streaks(p_instance, v_ticks) s;
-    END IF;
     RETURN QUERY
     WITH streaks AS (
-        SELECT * FROM unnest(v_streak_keys, v_streak_ticks, v_streak_values, v_streak_alerts,
-                             v_streak_notices) AS s(key, tick, streak, alert, notice)
+        SELECT * FROM scheduler_skip_streaks(p_instance, p_ticks)
     ), stale AS (
         SELECT * FROM unnest(v_stale_keys, v_stale_counts) AS s(key, crashed)
     ), crashes AS (
         SELECT * FROM unnest(v_crash_keys, v_crash_notices) AS s(key, notice)
     )
-    SELECT c.key, c.tick,
-           CASE c.fate WHEN 'running' THEN 'run' ELSE c.fate END,
-           c.run_id, c.started_at, c.holder, c.holder_since,
-           coalesce(sk.streak, ended.streak, 0), coalesce(sk.alert, false),
-           coalesce(sk.notice, cr.notice), coalesce(st.crashed, 0), NULL::integer,
-           NULL::integer, NULL::timestamptz, NULL::timestamptz, NULL::integer
-      FROM unnest(v_ticks) c
+    SELECT c.key, c.tick, coalesce(sk.streak, ended.streak, 0), coalesce(sk.alert, false),
+           coalesce(st.crashed, 0), coalesce(sk.notice, cr.notice)
+      FROM unnest(p_ticks) c
       LEFT JOIN streaks sk ON sk.key = c.key AND sk.tick = c.tick
       LEFT JOIN streaks ended ON ended.key = c.key AND ended.tick IS NULL AND c.fate = 'running'
       LEFT JOIN stale st ON st.key = c.key AND c.fate = 'running'
       LEFT JOIN crashes cr ON cr.key = c.key AND c.fate = 'running'
-     WHERE (c.fate <> 'lost' OR c.intent IN ('manual', 'catch_up')) AND (c.fate <> 'paused' OR p_answer_paused)
+     WHERE c.fate IN ('running', 'skipped');
+END;
+$$;
+
+-- scheduler_decide: claim a batch of ticks, the steps above in order, and answer every
+-- tick sent, in one row. First, column by column, each tick this replica recorded (run,
+-- skipped, missed, paused) or could not lock (held: a manual run, a tick caught up),
+-- with what its answer carries. Then the rest, by outcome, as spans of the ticks' places
+-- in the arrays sent (1-based; `_from`: a span's first place, `_counts`: its length):
+-- lost (another replica owns it), yielded (another live replica's share of a burst: try
+-- again once anyone may take it) and deferred (this replica's, beyond its free workers:
+-- try again when one frees). Sent in (tick, key) order, the deferred ticks are a few
+-- spans, so the answer stays small however large the burst: about 100 bytes per tick
+-- recorded, and the socket buffers hold it while a frozen replica reads nothing. Bursts
+-- smaller than p_share_from ticks are not shared out.
+CREATE FUNCTION scheduler_decide(
+    p_namespace integer, p_instance text, p_capacity integer, p_takeover double precision,
+    p_share_from integer, p_crashed text, p_keys integer[], p_names text[],
+    p_ticks timestamptz[], p_intents text[], p_graces double precision[],
+    p_thresholds integer[], p_fail_thresholds integer[]
+) RETURNS TABLE (
+    keys integer[], ticks timestamptz[], outcomes text[], run_ids bigint[],
+    started_at timestamptz[], holders text[], holder_since timestamptz[], streaks integer[],
+    alerts boolean[], crashed integer[], notices bigint[], lost_from integer[],
+    lost_counts integer[], yielded_from integer[], yielded_counts integer[],
+    deferred_from integer[], deferred_counts integer[]
+) LANGUAGE plpgsql
+-- The planner cannot know how many ticks a call carries and guesses a handful;
+-- its nested loops over them would make a burst of n ticks cost n^2. The cost of a
+-- nested loop left (joining one-row answers) then reads as huge: no JIT compilation,
+-- which would cost a second or more on every claim.
+SET enable_nestloop = off
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_fleet record;
+    v_ticks scheduler_tick[];
+BEGIN
+    SELECT * INTO v_fleet FROM scheduler_fleet(p_namespace);
+    v_ticks := ARRAY(SELECT c FROM scheduler_choose(
+        p_capacity, p_takeover,
+        CASE WHEN cardinality(p_keys) < p_share_from THEN 1 ELSE v_fleet.live END, v_fleet.rank,
+        p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds, p_fail_thresholds) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_lock_manual(p_namespace, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(p_instance, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_recheck_pauses(p_namespace, v_ticks) c);
+    IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN
+        v_ticks := ARRAY(SELECT c FROM scheduler_record_skips(v_ticks) c);
+    END IF;
+    RETURN QUERY
+    WITH settled AS (
+        SELECT * FROM scheduler_settle_jobs(p_instance, p_crashed, v_ticks)
+    ), a AS (
+        SELECT c.*, s.streak, s.alert, s.crashed, s.notice
+          FROM unnest(v_ticks) c LEFT JOIN settled s ON s.key = c.key AND s.tick = c.tick
+         WHERE c.fate NOT IN ('lost', 'yielded', 'deferred')
+    ), spans AS (  -- places in a row with one outcome: the same place minus rank
+        SELECT q.fate, min(q.place)::integer AS first, count(*)::integer AS n
+          FROM (SELECT c.fate, q.place,
+                       q.place - row_number() OVER (PARTITION BY c.fate ORDER BY q.place) AS span
+                  FROM unnest(v_ticks) c
+                  JOIN unnest(p_keys, p_ticks) WITH ORDINALITY AS q(key, tick, place)
+                    ON q.key = c.key AND q.tick = c.tick
+                 WHERE c.fate IN ('lost', 'yielded', 'deferred')) q
+         GROUP BY q.fate, q.span
+    )
+    SELECT r.*, l.*, y.*, d.*
+      FROM (SELECT array_agg(a.key), array_agg(a.tick),
+                   array_agg(CASE a.fate WHEN 'running' THEN 'run' ELSE a.fate END),
+                   array_agg(a.run_id), array_agg(a.started_at), array_agg(a.holder),
+                   array_agg(a.holder_since), array_agg(coalesce(a.streak, 0)),
+                   array_agg(coalesce(a.alert, false)), array_agg(coalesce(a.crashed, 0)),
+                   array_agg(a.notice)
+              FROM a) r,
+           (SELECT array_agg(s.first ORDER BY s.first), array_agg(s.n ORDER BY s.first)
+              FROM spans s WHERE s.fate = 'lost') l,
+           (SELECT array_agg(s.first ORDER BY s.first), array_agg(s.n ORDER BY s.first)
+              FROM spans s WHERE s.fate = 'yielded') y,
+           (SELECT array_agg(s.first ORDER BY s.first), array_agg(s.n ORDER BY s.first)
+              FROM spans s WHERE s.fate = 'deferred') d;
+END;
+$$;
+
+-- scheduler_claim: scheduler_decide for the replicas of earlier versions, which go on
+-- claiming through a rolling deploy (docs/operating.md), in the answer they read: a row
+-- per tick answered (yielded ones too; lost ones only if manual or caught up: the rest
+-- they read as lost), then one `fleet` row: the fleet's size, from which they leave
+-- other replicas' shares out of their next batch, and where deferral began (they read
+-- each tick after (deferred_after, deferred_key) as deferred). Drop it once no replica
+-- of a version before 9 can be running.
+CREATE FUNCTION scheduler_claim(
+    p_namespace integer, p_instance text, p_capacity integer, p_takeover double precision,
+    p_share_from integer, p_crashed text, p_keys integer[], p_names text[],
+    p_ticks timestamptz[], p_intents text[], p_graces double precision[],
+    p_thresholds integer[],
+    -- Callers of a version before pauses do not know the outcome `paused`: their paused
+    -- ticks are left out of the answer, which they read as lost.
+    p_answer_paused boolean DEFAULT false,
+    -- Each job's fail_alert_after (crashed runs count as failures); older callers: 3.
+    p_fail_thresholds integer[] DEFAULT NULL
+) RETURNS TABLE (
+    job_key integer, scheduled_at timestamptz, outcome text, run_id bigint,
+    started_at timestamptz, holder text, holder_since timestamptz, streak integer,
+    alert boolean, notice bigint, crashed integer, live integer, rank integer,
+    db_now timestamptz, deferred_after timestamptz, deferred_key integer
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH d AS (
+        SELECT * FROM scheduler_decide(p_namespace, p_instance, p_capacity, p_takeover,
+            p_share_from, p_crashed, p_keys, p_names, p_ticks, p_intents, p_graces,
+            p_thresholds, coalesce(p_fail_thresholds, array_fill(3, ARRAY[cardinality(p_keys)])))
+    ), rest AS (  -- each span's places, one by one
+        SELECT o.outcome, i AS place
+          FROM d, LATERAL (VALUES ('lost', d.lost_from, d.lost_counts),
+                                  ('yielded', d.yielded_from, d.yielded_counts),
+                                  ('deferred', d.deferred_from, d.deferred_counts))
+                          AS o(outcome, starts, counts),
+               unnest(o.starts, o.counts) AS s(first, n),
+               generate_series(s.first, s.first + s.n - 1) AS i
+    )
+    SELECT a.*, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz,
+           NULL::integer
+      FROM d, unnest(d.keys, d.ticks, d.outcomes, d.run_ids, d.started_at, d.holders,
+                     d.holder_since, d.streaks, d.alerts, d.notices, d.crashed)
+              AS a(key, tick, outcome, run_id, started, holder, since, streak, alert, notice,
+                   crashed)
+     WHERE a.outcome <> 'paused' OR p_answer_paused
     UNION ALL
-    SELECT NULL, NULL, 'fleet', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-           v_live, v_rank, now(), v_last.tick, v_last.key;
+    SELECT p_keys[r.place], p_ticks[r.place], r.outcome, NULL, NULL, NULL, NULL, 0, false,
+           NULL, 0, NULL, NULL, NULL, NULL, NULL
+      FROM rest r
+     WHERE r.outcome = 'yielded'
+        OR (r.outcome = 'lost' AND p_intents[r.place] IN ('manual', 'catch_up'))
+    UNION ALL
+    SELECT NULL, NULL, 'fleet', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f.live, f.rank,
+           now(), p_ticks[first.place], p_keys[first.place] - 1  -- from the first deferred on
+      FROM scheduler_fleet(p_namespace) f
+      LEFT JOIN (SELECT r.place FROM rest r WHERE r.outcome = 'deferred'
+                  ORDER BY p_ticks[r.place], p_keys[r.place] LIMIT 1) first ON true;
 END;
 $$;
 

@@ -1,0 +1,4 @@
+-- A claim answers every tick it was sent (scheduler_decide): what each tick it recorded
+-- carries, and the lost, yielded and deferred ones as spans of their places in the batch.
+-- scheduler_claim stays for replicas of earlier versions, in the answer they read. A
+-- change of the gate's functions only (postgres.sql), no table changed.

@@ -1,0 +1,1 @@
+-- A change of PostgreSQL's claim functions only: nothing changes in the embedded file.
