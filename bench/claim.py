@@ -59,7 +59,7 @@ def main() -> int:
             backend.finish(
                 [
                     FinishRequest(r.key, r.scheduled_at, r.run_id, "succeeded", None, True, 3)
-                    for r in won
+                    for r in won.answered
                     if r.run_id is not None
                 ]
             )

@@ -70,6 +70,43 @@ class ClaimResult(NamedTuple):  # a tuple: a claim makes hundreds of these at on
     attempt: int = 1  # a retry (job `retries`): 2 for the first retry, and so on
 
 
+class TickRef(NamedTuple):
+    """One tick of one job: what an answer without a row of this replica's carries."""
+
+    key: int
+    scheduled_at: datetime
+
+
+class ClaimAnswer(NamedTuple):
+    """A claim's answer to every tick it was sent, in one shape on both backends.
+
+    The backend decides each tick; the gate acts on the answer and derives nothing.
+    `answered`: a ClaimResult for each tick this replica recorded (run, skipped,
+    missed, paused) or could not lock (held). The rest, by outcome, as ticks alone:
+    `lost` (another replica owns it), `yielded` (another live replica's share of a
+    burst: PostgreSQL only, as the embedded backend's claims take turns anyway) and
+    `deferred` (no free worker for it in this batch).
+    """
+
+    answered: list[ClaimResult]
+    lost: list[TickRef]
+    yielded: list[TickRef]
+    deferred: list[TickRef]
+
+    def every(self) -> list[ClaimResult]:
+        """Each tick sent, as a ClaimResult (the ticks without a row: their outcome alone)."""
+        rest = {
+            Outcome.LOST: self.lost,
+            Outcome.YIELDED: self.yielded,
+            Outcome.DEFERRED: self.deferred,
+        }
+        return self.answered + [
+            ClaimResult(t.key, t.scheduled_at, outcome)
+            for outcome, ticks in rest.items()
+            for t in ticks
+        ]
+
+
 @dataclass(frozen=True)
 class Crashes:
     """Runs of one job found crashed: how many, and the newest one's tick. They count as
@@ -143,12 +180,9 @@ class LockStore(Protocol):
     def close(self) -> None:
         """Release every lock by ending the session."""
 
-    def claim(
-        self, requests: Sequence[ClaimRequest], instance: str, capacity: int
-    ) -> list[ClaimResult]:
-        """Answer a batch of claims atomically, winning at most `capacity` runs.
-
-        Raises SessionLost.
+    def claim(self, requests: Sequence[ClaimRequest], instance: str, capacity: int) -> ClaimAnswer:
+        """Decide and answer every tick of a batch atomically, winning at most `capacity`
+        runs. Raises SessionLost.
         """
 
     def held_keys(self) -> set[int]:

@@ -29,8 +29,8 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from scheduler import ledger
 from scheduler.backends import filelocks
 from scheduler.backends.base import (
+    ClaimAnswer,
     ClaimRequest,
-    ClaimResult,
     Crashes,
     FinishRequest,
     FinishResult,
@@ -39,7 +39,7 @@ from scheduler.backends.base import (
     Unavailable,
 )
 from scheduler.backends.embedded_keeper import Keeper
-from scheduler.backends.embedded_steps import Steps
+from scheduler.backends.embedded_steps import Steps, claimed
 from scheduler.backends.filelocks import KEEP_EVERY, FileLocks
 from scheduler.backends.ledger_file import JOURNAL_SIZE_LIMIT, LedgerFile, process_state
 from scheduler.backends.schema import CURRENT_VERSION, migrate
@@ -357,9 +357,7 @@ class EmbeddedBackend:
 
     # -- the claim and the finish: the steps of postgres.sql (see embedded_steps.py) -----
 
-    def claim(
-        self, requests: Sequence[ClaimRequest], instance: str, capacity: int
-    ) -> list[ClaimResult]:
+    def claim(self, requests: Sequence[ClaimRequest], instance: str, capacity: int) -> ClaimAnswer:
         with self._steps(instance) as steps:
             ticks = steps.choose(requests, capacity)
             ticks = steps.lock_manual(ticks)
@@ -369,7 +367,7 @@ class EmbeddedBackend:
             crashed = steps.crash_stale(ticks)
             streaks = steps.skip_streaks(ticks)
             alerts = steps.count_crashes(crashed)
-        return [steps.result(t, crashed, streaks, alerts) for t in ticks]
+        return claimed(ticks, crashed, streaks, alerts)
 
     @contextlib.contextmanager
     def _steps(self, instance: str) -> Iterator[Steps]:
@@ -395,12 +393,7 @@ class EmbeddedBackend:
         for r in requests:  # after the commit: whoever locks next sees the final rows
             if r.unlock:
                 self.locks.unlock(r.key)
-        return [
-            FinishResult(
-                r.key, r.scheduled_at, recorded or repeated, finished, *streaks.get(r.key, ())
-            )
-            for r, recorded, repeated, finished in done
-        ]
+        return [d.result(streaks.get(d.request.key)) for d in done]
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:

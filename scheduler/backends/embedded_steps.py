@@ -11,27 +11,79 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, select, update
 from sqlalchemy.dialects.sqlite import insert
 
 from scheduler import ledger
 from scheduler.backends.base import (
+    ClaimAnswer,
     ClaimRequest,
     ClaimResult,
     Crashes,
     FinishRequest,
+    FinishResult,
     Intent,
     Outcome,
     Retries,
+    TickRef,
 )
 from scheduler.backends.filelocks import FileLocks
 from scheduler.statuses import CRASHED_LOST_LOCK, Status
 
 # What a claim has decided for a tick so far: a row status, or an outcome without a row.
 Fate = Status | Outcome
-Streaks = dict[tuple[int, datetime | None], tuple[int, bool, int | None]]
+UNRECORDED = (Outcome.LOST, Outcome.YIELDED, Outcome.DEFERRED)  # answered as ticks alone
+
+
+class Streak(NamedTuple):
+    """A job's skip streak as a claim left it, for one tick's answer."""
+
+    streak: int  # a skip: the streak, this skip included; a run: the streak it ends
+    alert: bool  # this skip made the streak reach its threshold
+    notice: int | None  # the alert's notice in the outbox
+
+
+# (key, tick) -> the skip's streak; (key, None) -> the streak a run of the job ends.
+Streaks = dict[tuple[int, datetime | None], Streak]
+NO_STREAK = Streak(0, False, None)
+
+
+class Recorded(NamedTuple):
+    """A finish as record_finishes left it."""
+
+    request: FinishRequest
+    now: bool  # this call recorded it
+    earlier: bool  # an earlier call recorded it (its answer was lost)
+    finished_at: datetime | None
+
+    def result(self, settled: Settled | None) -> FinishResult:
+        """The finish's answer, with what it did to the job's streaks if anything."""
+        r, recorded = self.request, self.now or self.earlier
+        if settled is None:
+            return FinishResult(r.key, r.scheduled_at, recorded, self.finished_at)
+        return FinishResult(
+            r.key,
+            r.scheduled_at,
+            recorded,
+            self.finished_at,
+            settled.failures,
+            settled.alert,
+            settled.recovered,
+            settled.skips_recovered,
+            settled.notices,
+        )
+
+
+class Settled(NamedTuple):
+    """What a finish did to its job's streaks (scheduler_finish_streaks)."""
+
+    failures: int | None  # failed: the streak, this failure included; succeeded: the one ended
+    alert: bool
+    recovered: bool
+    skips_recovered: bool
+    notices: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -61,7 +113,7 @@ class Steps:
         # taken (each lock leaves its own tick out; this transaction is the only writer).
         self._running: dict[int, list[tuple[str | None, datetime]]] | None = None
 
-    # -- scheduler_claim ----------------------------------------------------------------
+    # -- scheduler_decide ---------------------------------------------------------------
 
     def choose(self, requests: Sequence[ClaimRequest], capacity: int) -> list[Tick]:
         out, room = [], capacity
@@ -139,7 +191,12 @@ class Steps:
 
     def record_skips(self, ticks: list[Tick]) -> list[Tick]:
         t = ledger.ticks
-        own = {(tick.key, tick.request.scheduled_at) for tick in ticks}
+        # Rows this claim inserted (a tick it lost is another replica's run).
+        own = {
+            (tick.key, tick.request.scheduled_at)
+            for tick in ticks
+            if tick.fate in (Status.RUNNING, Status.SKIPPED)
+        }
         out = []
         for tick in ticks:
             if tick.fate is Status.SKIPPED:
@@ -189,10 +246,10 @@ class Steps:
                 .values(consecutive_failures=failures, fail_alerted=row.fail_alerted or alerting)
             )
             if alerting:
-                request = replace(found.request, scheduled_at=found.newest)
                 alerts[key] = self._notice(
                     "job.failures_exceeded",
-                    request,
+                    TickRef(key, found.newest),
+                    found.request.name,
                     consecutive_failures=failures,
                     threshold=threshold,
                     instance=self.instance,
@@ -228,49 +285,20 @@ class Steps:
                 )
             )
             if ran:
-                out[(key, None)] = (before, False, None)
+                out[(key, None)] = Streak(before, False, None)
             for n, tick in enumerate(skipped, start=1):
                 streak, notice = before + n, None
                 if alerting and streak == max(before + 1, threshold):
                     notice = self._skip_alert(tick, streak, threshold)
-                out[(key, tick.request.scheduled_at)] = (streak, notice is not None, notice)
+                out[(key, tick.request.scheduled_at)] = Streak(streak, notice is not None, notice)
         return out
-
-    @staticmethod
-    def result(
-        tick: Tick, crashed: dict[int, Crashes], streaks: Streaks, alerts: dict[int, int]
-    ) -> ClaimResult:
-        r = tick.request
-        outcome = Outcome.RUN if tick.fate is Status.RUNNING else Outcome(tick.fate)
-        streak, alert, notice = streaks.get((r.key, r.scheduled_at)) or streaks.get(
-            (r.key, None), (0, False, None)
-        )
-        if outcome not in (Outcome.RUN, Outcome.SKIPPED):
-            streak, alert, notice = 0, False, None
-        if outcome is Outcome.RUN and notice is None:
-            notice = alerts.get(r.key)  # its crashed predecessors reached fail_alert_after
-        return ClaimResult(
-            r.key,
-            r.scheduled_at,
-            outcome,
-            tick.run_id,
-            tick.started_at,
-            tick.holder,
-            tick.holder_since,
-            streak,
-            alert,
-            crashed[r.key].count if outcome is Outcome.RUN and r.key in crashed else 0,
-            () if notice is None else (notice,),
-        )
 
     # -- scheduler_finish ---------------------------------------------------------------
 
-    def record_finishes(
-        self, requests: Sequence[FinishRequest]
-    ) -> list[tuple[FinishRequest, bool, bool, datetime | None]]:
-        """(request, recorded now, recorded by an earlier call, finished_at), in order."""
+    def record_finishes(self, requests: Sequence[FinishRequest]) -> list[Recorded]:
+        """Each finish, recorded now or by an earlier call or not at all, in order."""
         t = ledger.ticks
-        out: list[tuple[FinishRequest, bool, bool, datetime | None]] = []
+        out: list[Recorded] = []
         for r in sorted(requests, key=lambda r: (r.scheduled_at, r.key)):
             row = (t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at, t.c.run_id == r.run_id)
             done = self.conn.execute(
@@ -288,22 +316,21 @@ class Steps:
                 )
             ).rowcount
             if done == 1:
-                out.append((r, True, False, self.now))
+                out.append(Recorded(r, True, False, self.now))
                 continue
             again = self.conn.execute(select(t.c.finished_at).where(*row, t.c.status == r.status))
             earlier = again.first()
-            out.append((r, False, earlier is not None, earlier[0] if earlier else None))
+            out.append(Recorded(r, False, earlier is not None, earlier[0] if earlier else None))
         return out
 
-    def finish_streaks(
-        self, done: list[tuple[FinishRequest, bool, bool, datetime | None]]
-    ) -> dict[int, tuple[int | None, bool, bool, bool, tuple[int, ...]]]:
-        """key -> (failures, alert, recovered, skips_recovered, notices), in key order."""
+    def finish_streaks(self, done: list[Recorded]) -> dict[int, Settled]:
+        """Job key -> what its finish did to its streaks, in key order."""
         j = ledger.jobs
-        out: dict[int, tuple[int | None, bool, bool, bool, tuple[int, ...]]] = {}
-        for r, recorded, _, finished in sorted(done, key=lambda d: d[0].key):
+        out: dict[int, Settled] = {}
+        for d in sorted(done, key=lambda d: d.request.key):
+            r, finished = d.request, d.finished_at
             ended = (Status.SUCCEEDED, Status.FAILED, Status.CRASHED)  # crashed: abandoned
-            if not recorded or r.status not in ended:
+            if not d.now or r.status not in ended:
                 continue
             if r.retry_in_s is not None:  # another attempt is to come: not the tick's end
                 continue
@@ -341,12 +368,13 @@ class Steps:
                     "consecutive_skips": row.overrun_skips, **who,
                 }),
             ]  # fmt: skip
-            request = ClaimRequest(r.key, row.job_name, r.scheduled_at, Intent.RUN, 0, 0)
             notices = tuple(
-                self._notice(event, request, **facts) for raised, event, facts in due if raised
+                self._notice(event, TickRef(r.key, r.scheduled_at), row.job_name, **facts)
+                for raised, event, facts in due
+                if raised
             )
             shown = failures if failed else row.consecutive_failures
-            out[r.key] = (shown, fail_alert, recovered, skips_recovered, notices)
+            out[r.key] = Settled(shown, fail_alert, recovered, skips_recovered, notices)
         return out
 
     # -- scheduler_claim_retries ---------------------------------------------------------
@@ -518,9 +546,11 @@ class Steps:
 
     def _skip_alert(self, tick: Tick, streak: int, threshold: int) -> int:
         since = tick.holder_since
+        r = tick.request
         return self._notice(
             "job.skips_exceeded",
-            tick.request,
+            TickRef(r.key, r.scheduled_at),
+            r.name,
             consecutive_skips=streak,
             threshold=threshold,
             holder=tick.holder,
@@ -528,17 +558,17 @@ class Steps:
             running_s=(self.now - since).total_seconds() if since else None,
         )
 
-    def _notice(self, event: str, r: ClaimRequest, **facts: Any) -> int:
+    def _notice(self, event: str, tick: TickRef, name: str, **facts: Any) -> int:
         """Write a notice to the outbox, leased to this replica (`scheduler.observers.notices`)."""
         return ledger.add_notice(
             self.conn,
             event,
-            r.key,
-            r.name,
+            tick.key,
+            name,
             facts,
             raised_by=self.instance,
             now=self.now,
-            scheduled_at=r.scheduled_at,
+            scheduled_at=tick.scheduled_at,
             deliverer=self.instance,
         )
 
@@ -546,3 +576,44 @@ class Steps:
 def _overran(tick: Tick) -> bool:
     """A skip that counts in the job's skip streak: not one behind a run asked for by hand."""
     return tick.fate is Status.SKIPPED and not tick.by_hand
+
+
+def claimed(
+    ticks: list[Tick], crashed: dict[int, Crashes], streaks: Streaks, alerts: dict[int, int]
+) -> ClaimAnswer:
+    """The claim's answer, in the shape of scheduler_decide's (never a tick `yielded`)."""
+    rest: dict[Fate, list[TickRef]] = {outcome: [] for outcome in UNRECORDED}
+    answered = []
+    for tick in ticks:
+        if tick.fate in rest:
+            rest[tick.fate].append(TickRef(tick.key, tick.request.scheduled_at))
+        else:
+            answered.append(_result(tick, crashed, streaks, alerts))
+    return ClaimAnswer(answered, rest[Outcome.LOST], rest[Outcome.YIELDED], rest[Outcome.DEFERRED])
+
+
+def _result(
+    tick: Tick, crashed: dict[int, Crashes], streaks: Streaks, alerts: dict[int, int]
+) -> ClaimResult:
+    """A tick this replica recorded, or could not lock: what its answer carries."""
+    r = tick.request
+    outcome = Outcome.RUN if tick.fate is Status.RUNNING else Outcome(tick.fate)
+    found = streaks.get((r.key, r.scheduled_at)) or streaks.get((r.key, None), NO_STREAK)
+    if outcome not in (Outcome.RUN, Outcome.SKIPPED):
+        found = NO_STREAK
+    notice = found.notice
+    if outcome is Outcome.RUN and notice is None:
+        notice = alerts.get(r.key)  # its crashed predecessors reached fail_alert_after
+    return ClaimResult(
+        r.key,
+        r.scheduled_at,
+        outcome,
+        tick.run_id,
+        tick.started_at,
+        tick.holder,
+        tick.holder_since,
+        found.streak,
+        found.alert,
+        crashed[r.key].count if outcome is Outcome.RUN and r.key in crashed else 0,
+        () if notice is None else (notice,),
+    )

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import psycopg
@@ -27,15 +27,16 @@ from sqlalchemy.pool import NullPool
 
 from scheduler import ledger
 from scheduler.backends.base import (
+    ClaimAnswer,
     ClaimRequest,
     ClaimResult,
     Crashes,
     FinishRequest,
     FinishResult,
-    Intent,
     Outcome,
     Retries,
     SessionLost,
+    TickRef,
     Unavailable,
 )
 from scheduler.backends.pg_arrays import pg_bools, pg_numbers, pg_texts, pg_times
@@ -69,40 +70,124 @@ TAKEOVER_S = 0.1  # a tick left unclaimed this long after its time is anyone's (
 SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
 
 
-CLAIM_COLUMNS = (
-    "job_key", "scheduled_at", "outcome", "run_id", "started_at", "holder", "holder_since",
-    "streak", "alert", "notice", "crashed", "live", "rank", "db_now", "deferred_after",
-    "deferred_key",
-)  # fmt: skip
-FINISH_COLUMNS = (
-    "job_key", "scheduled_at", "recorded", "finished_at", "failures", "alert", "recovered",
-    "skips_recovered", "notices",
-)  # fmt: skip
+class Decision(NamedTuple):
+    """scheduler_decide's one row (postgres.sql): column by column, the ticks this replica
+    recorded or could not lock; then the rest, by outcome, as spans of places in the
+    batch sent (1-based first places, and lengths). An outcome with no tick is NULL."""
+
+    keys: list[int] | None
+    ticks: list[datetime] | None
+    outcomes: list[str] | None
+    run_ids: list[int | None] | None
+    started_at: list[datetime | None] | None
+    holders: list[str | None] | None
+    holder_since: list[datetime | None] | None
+    streaks: list[int] | None
+    alerts: list[bool] | None
+    crashed: list[int] | None
+    notices: list[int | None] | None
+    lost_from: list[int] | None
+    lost_counts: list[int] | None
+    yielded_from: list[int] | None
+    yielded_counts: list[int] | None
+    deferred_from: list[int] | None
+    deferred_counts: list[int] | None
+
+    def claimed(self, sent: Sequence[ClaimRequest]) -> ClaimAnswer:
+        """The answer, read column by column (a burst's hundred rows cost no lookups)."""
+        columns = (
+            self.keys, self.ticks, self.outcomes, self.run_ids, self.started_at, self.holders,
+            self.holder_since, self.streaks, self.alerts, self.crashed, self.notices,
+        )  # fmt: skip
+        answered = [
+            ClaimResult(key, tick, Outcome(outcome), run_id, started, holder, since, streak,
+                        alert, crashed, () if notice is None else (notice,))
+            for key, tick, outcome, run_id, started, holder, since, streak, alert, crashed, notice
+            in _columns(columns)
+        ]  # fmt: skip
+        return ClaimAnswer(
+            answered,
+            _spans(sent, self.lost_from, self.lost_counts),
+            _spans(sent, self.yielded_from, self.yielded_counts),
+            _spans(sent, self.deferred_from, self.deferred_counts),
+        )
 
 
-_OUTCOME, _LIVE = CLAIM_COLUMNS.index("outcome"), CLAIM_COLUMNS.index("live")
+class Finished(NamedTuple):
+    """A row of scheduler_finish (postgres.sql)."""
+
+    job_key: int
+    scheduled_at: datetime
+    recorded: bool
+    finished_at: datetime | None
+    failures: int | None
+    alert: bool
+    recovered: bool
+    skips_recovered: bool
+    notices: list[int]
+
+    def result(self) -> FinishResult:
+        return FinishResult(
+            self.job_key,
+            self.scheduled_at,
+            self.recorded,
+            self.finished_at,
+            self.failures,
+            self.alert,
+            self.recovered,
+            self.skips_recovered,
+            tuple(self.notices),
+        )
 
 
-class Summary(NamedTuple):
-    """The claim's `fleet` row: the fleet as the claim saw it, and where deferral began."""
+class RetryTaken(NamedTuple):
+    """A row of scheduler_claim_retries: an attempt started, or (job_key NULL) the last row,
+    which says when the next retry of these jobs is due."""
 
-    live: int
-    rank: int
-    db_now: datetime
-    deferred_after: datetime | None
-    deferred_key: int | None
+    job_key: int | None
+    scheduled_at: datetime | None
+    run_id: int | None
+    started_at: datetime | None
+    attempt: int | None
+    crashed: int | None
+    next_in: float | None
+
+    def started(self) -> ClaimResult | None:
+        """The attempt this row started (None: the last row)."""
+        if self.job_key is None or self.scheduled_at is None or self.attempt is None:
+            return None
+        return ClaimResult(
+            self.job_key,
+            self.scheduled_at,
+            Outcome.RUN,
+            self.run_id,
+            self.started_at,
+            crashed=self.crashed or 0,
+            attempt=self.attempt,
+        )
 
 
-def named(result: Any, columns: tuple[str, ...]) -> list[Any]:
-    """A function's rows (they unpack like tuples), once its columns are the ones unpacked here."""
-    if tuple(result.keys()) != columns:
-        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {columns}")
-    return list(result.all())
+def _columns(arrays: Iterable[list[Any] | None]) -> Iterable[tuple[Any, ...]]:
+    """Parallel arrays read row by row (NULL: none)."""
+    return zip(*(array or () for array in arrays), strict=True)
 
 
-def share_of(key: int, live: int) -> int:
-    """Which live replica's share a job key falls in (as scheduler_share in postgres.sql)."""
-    return (key * 2654435761) % 4294967296 % max(live, 1)
+def _spans(
+    sent: Sequence[ClaimRequest], starts: list[int] | None, counts: list[int] | None
+) -> list[TickRef]:
+    """The ticks at these spans of places in the batch sent (1-based, as SQL counts)."""
+    return [
+        TickRef(r.key, r.scheduled_at)
+        for first, n in _columns((starts, counts))
+        for r in sent[first - 1 : first - 1 + n]
+    ]
+
+
+def named(result: Any, row: type[NamedTuple]) -> list[Any]:
+    """A function's rows as `row`, once its columns are the ones named there."""
+    if tuple(result.keys()) != row._fields:
+        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {row._fields}")
+    return [row(*found) for found in result.all()]
 
 
 class PostgresBackend:
@@ -135,7 +220,6 @@ class PostgresBackend:
         )
         event.listen(self.ledger_engine, "connect", self._ledger_session_settings)
         self._conn: Connection | None = None
-        self._fleet = (1, 0)  # live replicas and this one's rank, as of the last claim
         self._requests = False  # a run-now request may be waiting (notified, or seen)
         self._retry_in: float | None = None  # the next retry, as the last heartbeat saw it
 
@@ -287,17 +371,15 @@ class PostgresBackend:
 
     # -- the gate's two steps ----------------------------------------------------
 
-    def claim(
-        self, requests: Sequence[ClaimRequest], instance: str, capacity: int
-    ) -> list[ClaimResult]:
-        """One call to scheduler_claim; other replicas' shares of a burst are not even sent.
+    def claim(self, requests: Sequence[ClaimRequest], instance: str, capacity: int) -> ClaimAnswer:
+        """One call to scheduler_decide, which answers every tick sent (see postgres.sql).
 
-        The share rule is the SQL function's (which stays the judge): while the
-        fleet looks as it did at the last claim, a tick of another replica's
-        share comes back `yielded` without a round trip, unless it is old
-        enough for anyone to take.
+        Sent in the order the claim takes them, so that the ticks left for lack of
+        free workers come back as one span of places, however large the burst.
         """
-        sent, yielded = self._split_shares(requests)
+        if not requests:
+            return ClaimAnswer([], [], [], [])
+        requests = sorted(requests, key=lambda r: (r.scheduled_at, r.key))
         params = {
             "ns": self.namespace,
             "instance": instance,
@@ -305,86 +387,17 @@ class PostgresBackend:
             "takeover": TAKEOVER_S,
             "share_from": SHARE_FROM,
             "crashed": CRASHED_LOST_LOCK,
-            "keys": pg_numbers([r.key for r in sent]),
-            "names": pg_texts([r.name for r in sent]),
-            "ticks": pg_times([r.scheduled_at for r in sent]),
-            "intents": pg_texts([r.intent for r in sent]),
-            "graces": pg_numbers([r.grace_s for r in sent]),
-            "thresholds": pg_numbers([r.skip_threshold for r in sent]),
-            "fail_thresholds": pg_numbers([r.fail_threshold for r in sent]),
+            "keys": pg_numbers([r.key for r in requests]),
+            "names": pg_texts([r.name for r in requests]),
+            "ticks": pg_times([r.scheduled_at for r in requests]),
+            "intents": pg_texts([r.intent for r in requests]),
+            "graces": pg_numbers([r.grace_s for r in requests]),
+            "thresholds": pg_numbers([r.skip_threshold for r in requests]),
+            "fail_thresholds": pg_numbers([r.fail_threshold for r in requests]),
         }
         with self._session() as conn:
-            rows = named(conn.execute(QUERIES["claim"], params), CLAIM_COLUMNS) if sent else []
-        # Rows are unpacked by the names of scheduler_claim's columns (checked by `named`):
-        # a hundred rows' attribute lookups would cost more than the claim's own work here.
-        results = [
-            ClaimResult(
-                job_key,
-                scheduled_at,
-                Outcome(outcome),
-                run_id,
-                started_at,
-                holder,
-                holder_since,
-                streak,
-                alert,
-                crashed,
-                () if notice is None else (notice,),
-            )
-            for (
-                job_key, scheduled_at, outcome, run_id, started_at, holder, holder_since, streak,
-                alert, notice, crashed, *_,
-            ) in rows
-            if outcome != "fleet"
-        ]  # fmt: skip
-        summary = next((Summary(*row[_LIVE:]) for row in rows if row[_OUTCOME] == "fleet"), None)
-        if summary is not None:
-            self._fleet = (summary.live, summary.rank)
-            results += self._unanswered(sent, results, summary)
-        results += [ClaimResult(r.key, r.scheduled_at, Outcome.YIELDED) for r in yielded]
-        return results
-
-    @staticmethod
-    def _unanswered(
-        sent: Sequence[ClaimRequest], answered: list[ClaimResult], summary: Any
-    ) -> list[ClaimResult]:
-        """What the claim's summary says of the ticks it did not answer one by one."""
-        seen = {(r.key, r.scheduled_at) for r in answered}
-        live = summary.live if len(sent) >= SHARE_FROM else 1
-        cutoff = (
-            (summary.deferred_after, summary.deferred_key)
-            if summary.deferred_after is not None
-            else None
-        )
-        out = []
-        for r in sent:
-            if (r.key, r.scheduled_at) in seen:
-                continue
-            age = (summary.db_now - r.scheduled_at).total_seconds()
-            outcome = Outcome.LOST  # another replica owns it (or recorded it missed)
-            if r.intent is Intent.RUN and age <= r.grace_s:
-                if live > 1 and share_of(r.key, live) != summary.rank and age < TAKEOVER_S:
-                    outcome = Outcome.YIELDED
-                elif cutoff is not None and (r.scheduled_at, r.key) > cutoff:
-                    outcome = Outcome.DEFERRED
-            out.append(ClaimResult(r.key, r.scheduled_at, outcome))
-        return out
-
-    def _split_shares(
-        self, requests: Sequence[ClaimRequest]
-    ) -> tuple[list[ClaimRequest], list[ClaimRequest]]:
-        live, rank = self._fleet
-        if live <= 1 or len(requests) < SHARE_FROM:
-            return list(requests), []
-        young = datetime.now(UTC) - timedelta(seconds=TAKEOVER_S)
-        sent: list[ClaimRequest] = []
-        yielded: list[ClaimRequest] = []
-        for r in requests:
-            theirs = (
-                r.intent is Intent.RUN and share_of(r.key, live) != rank and r.scheduled_at > young
-            )
-            (yielded if theirs else sent).append(r)
-        return sent, yielded
+            rows: list[Decision] = named(conn.execute(QUERIES["claim"], params), Decision)
+        return rows[0].claimed(requests)
 
     def held_keys(self) -> set[int]:
         with self._session() as conn:
@@ -412,17 +425,8 @@ class PostgresBackend:
             "retry_in": pg_numbers([r.retry_in_s for r in requests]),
         }
         with self._session() as conn:
-            rows = named(conn.execute(QUERIES["finish"], params), FINISH_COLUMNS)
-        return [
-            FinishResult(
-                job_key, scheduled_at, recorded, finished_at, failures, alert, recovered,
-                skips_recovered, tuple(notices),
-            )
-            for (
-                job_key, scheduled_at, recorded, finished_at, failures, alert, recovered,
-                skips_recovered, notices,
-            ) in rows
-        ]  # fmt: skip
+            rows: list[Finished] = named(conn.execute(QUERIES["finish"], params), Finished)
+        return [row.result() for row in rows]
 
     def heartbeat(self) -> datetime:
         """Also looks for run-now requests (one a notification missed is taken in time)
@@ -464,15 +468,11 @@ class PostgresBackend:
             "fail_thresholds": pg_numbers(fail_thresholds or [3] * len(keys)),
         }
         with self._session() as conn:
-            rows = conn.execute(QUERIES["claim_retries"], params).all()
-        started = [
-            ClaimResult(
-                key, tick, Outcome.RUN, run_id, started_at, crashed=stale or 0, attempt=attempt
+            rows: list[RetryTaken] = named(
+                conn.execute(QUERIES["claim_retries"], params), RetryTaken
             )
-            for key, tick, run_id, started_at, attempt, stale, _ in rows
-            if key is not None
-        ]
-        next_in = rows[-1][-1] if rows else None
+        started = [found for row in rows if (found := row.started()) is not None]
+        next_in = rows[-1].next_in if rows else None
         return Retries(started, None if next_in is None else float(next_in))
 
     def requests_pending(self) -> bool:

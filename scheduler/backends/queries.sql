@@ -2,11 +2,11 @@
 -- loads them). The gate's steps themselves are the functions of postgres.sql.
 
 -- name: claim
--- One batch of ticks claimed (scheduler_claim: the claim's steps, in order).
-SELECT * FROM scheduler_claim(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
+-- One batch of ticks claimed, each answered (scheduler_decide: the claim's steps, in order).
+SELECT * FROM scheduler_decide(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
     CAST(:keys AS integer[]), CAST(:names AS text[]), CAST(:ticks AS timestamptz[]),
     CAST(:intents AS text[]), CAST(:graces AS double precision[]),
-    CAST(:thresholds AS integer[]), true, CAST(:fail_thresholds AS integer[]))
+    CAST(:thresholds AS integer[]), CAST(:fail_thresholds AS integer[]))
 
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).

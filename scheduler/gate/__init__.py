@@ -10,7 +10,7 @@ backend, does each step in order (`Gate.step`):
 - record finished runs, in batches (`finishes.py`; `scheduler_finish`);
 - take run-now requests;
 - claim the queued ticks (`ticks.py` keeps them, `claims.py` sends them;
-  `scheduler_claim`), scheduled ones before manual and caught-up ones;
+  `scheduler_decide`), scheduled ones before manual and caught-up ones;
 - look for due retries (`retries.py`; `scheduler_claim_retries`);
 - at each heartbeat, check the lock invariant: every lock this session holds
   with no run here is given back (`LockSession.give_back`; `release_strays`), as after any

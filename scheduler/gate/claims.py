@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import NamedTuple
 
 from scheduler.backends.base import (
+    ClaimAnswer,
     ClaimRequest,
     ClaimResult,
     Intent,
@@ -97,7 +98,7 @@ class Claims:
         failed claim's outcome is `error`: nothing was decided, the caller may ask again.
         """
         try:
-            (claimed,) = self._claim([claim_request(job, tick, intent)], capacity=1)
+            (claimed,) = self._claim([claim_request(job, tick, intent)], capacity=1).every()
         except SessionLost:
             raise
         except Exception as exc:
@@ -119,7 +120,7 @@ class Claims:
     def _batch(self, batch: Batch, capacity: int) -> Iterator[Claimed]:
         requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
         try:
-            results = self._claim(requests, capacity)
+            answer = self._claim(requests, capacity)
         except SessionLost:
             self.queue.put_back(batch.entries)
             raise
@@ -132,25 +133,24 @@ class Claims:
             yield Claimed([], failed=True)
             return
         jobs = {job.key: job for job, _, _ in batch.requests}
-        yield Claimed([(jobs[r.key], r) for r in results if r.outcome is Outcome.RUN], False)
-        deferred, yielded = [], []
-        for result in results:
-            job = jobs[result.key]
-            if result.outcome is Outcome.DEFERRED:  # tried again when a worker frees
-                deferred.append((job, result.scheduled_at))
-            elif result.outcome is Outcome.YIELDED:  # tried again once anyone may take it
-                yielded.append((job, result.scheduled_at))
-            elif result.outcome is not Outcome.RUN:
-                self._report(job, result)
-        self.queue.requeue(deferred)
-        self.queue.requeue(yielded, delay=YIELDED_RETRY)
+        yield Claimed(
+            [(jobs[r.key], r) for r in answer.answered if r.outcome is Outcome.RUN], False
+        )
+        for result in answer.answered:
+            if result.outcome is not Outcome.RUN:
+                self._report(jobs[result.key], result)
+        # Tried again when a worker frees, and once anyone may take another's share.
+        self.queue.requeue([(jobs[t.key], t.scheduled_at) for t in answer.deferred])
+        self.queue.requeue(
+            [(jobs[t.key], t.scheduled_at) for t in answer.yielded], delay=YIELDED_RETRY
+        )
 
-    def _claim(self, requests: list[ClaimRequest], capacity: int) -> list[ClaimResult]:
-        results = self.session.round_trip(
+    def _claim(self, requests: list[ClaimRequest], capacity: int) -> ClaimAnswer:
+        answer = self.session.round_trip(
             lambda: self.backend.claim(requests, self.instance, capacity)
         )
-        assert isinstance(results, list)
-        return results
+        assert isinstance(answer, ClaimAnswer)
+        return answer
 
     def _report(self, job: CatalogJob, result: ClaimResult) -> None:
         if result.outcome is Outcome.SKIPPED:

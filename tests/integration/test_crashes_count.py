@@ -30,7 +30,7 @@ def claim_with(backend, at, fail_threshold: int):
         skip_threshold=3,
         fail_threshold=fail_threshold,
     )
-    (result,) = backend.claim([request], backend.instance, capacity=10)
+    (result,) = backend.claim([request], backend.instance, capacity=10).every()
     return result
 
 

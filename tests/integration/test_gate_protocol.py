@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
-from scheduler.backends.postgres import PostgresBackend, share_of
+from scheduler.backends.postgres import PostgresBackend
 from scheduler.backends.schema import CURRENT_VERSION
 from tests.support import wait_for
 
@@ -42,7 +42,7 @@ def claim(
     request = ClaimRequest(
         key=key, name="job", scheduled_at=at, intent=intent, grace_s=grace, skip_threshold=threshold
     )
-    (result,) = backend.claim([request], backend.instance, capacity=10)
+    (result,) = backend.claim([request], backend.instance, capacity=10).every()
     return result
 
 
@@ -249,8 +249,8 @@ def test_one_batch_claims_many_jobs_in_one_call(replicas):
         )
         for k in range(100, 150)
     ]
-    won_a = a.claim(requests, "a", capacity=100)
-    won_b = b.claim(requests, "b", capacity=100)
+    won_a = a.claim(requests, "a", capacity=100).every()
+    won_b = b.claim(requests, "b", capacity=100).every()
     assert [r.outcome for r in won_a] == [Outcome.RUN] * 50
     assert [r.outcome for r in won_b] == [Outcome.LOST] * 50
 
@@ -317,11 +317,11 @@ def test_a_replica_wins_no_more_runs_than_its_free_workers(replicas):
         )
         for k in range(200, 210)
     ]
-    first = a.claim(requests, "a", capacity=3)
+    first = a.claim(requests, "a", capacity=3).every()
     assert [r.outcome for r in first].count(Outcome.RUN) == 3
     assert [r.outcome for r in first].count(Outcome.DEFERRED) == 7
     # The deferred ticks were never claimed: another replica can take them at once.
-    second = b.claim(requests, "b", capacity=100)
+    second = b.claim(requests, "b", capacity=100).every()
     assert [r.outcome for r in second].count(Outcome.RUN) == 7
     assert [r.outcome for r in second].count(Outcome.LOST) == 3
     won_by_a = {r.key for r in first if r.outcome is Outcome.RUN}
@@ -344,24 +344,20 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
         )
         for k in range(300, 340)
     ]
-    first = {r.key: r.outcome for r in a.claim(requests, "a", capacity=100)}
-    second = {r.key: r.outcome for r in b.claim(requests, "b", capacity=100)}
+    first = {r.key: r.outcome for r in a.claim(requests, "a", capacity=100).every()}
+    second = {r.key: r.outcome for r in b.claim(requests, "b", capacity=100).every()}
     mine_a = {k for k, o in first.items() if o is Outcome.RUN}
     mine_b = {k for k, o in second.items() if o is Outcome.RUN}
     assert mine_a and mine_b and not mine_a & mine_b
     assert mine_a | mine_b == set(range(300, 340))  # every tick claimed, each once
+    # a left b's share to b (tried again once anyone may take it); b found a's taken.
     assert {o for k, o in first.items() if k not in mine_a} == {Outcome.YIELDED}
-    # b left a's share alone too: a claim's answer says nothing of other replicas' rows,
-    # and a tick of another share is tried again once anyone may take it.
-    assert {o for k, o in second.items() if k not in mine_b} == {Outcome.YIELDED}
-    # Each replica learned the fleet from its claim, and computes the shares as the
-    # server does: the next burst's other shares are not even sent.
-    (live, rank_a), (_, rank_b) = a._fleet, b._fleet
-    assert live == 2 and {rank_a, rank_b} == {0, 1}
-    assert {share_of(k, live) for k in mine_a} == {rank_a}
+    assert {o for k, o in second.items() if k not in mine_b} == {Outcome.LOST}
+    # The server answers every tick, and shares the next burst out the same way.
     later = [replace(r, scheduled_at=r.scheduled_at + timedelta(seconds=1)) for r in requests]
-    sent, held = a._split_shares(later)
-    assert {r.key for r in sent} == mine_a and {r.key for r in held} == mine_b
+    answer = a.claim(later, "a", capacity=100)
+    assert {r.key for r in answer.answered} == mine_a and not answer.lost + answer.deferred
+    assert {t.key for t in answer.yielded} == mine_b
     a.close()
     b.close()
 

@@ -60,7 +60,7 @@ def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
     request = ClaimRequest(
         key=611, name="orphan", scheduled_at=tick, intent=Intent.RUN, grace_s=30, skip_threshold=3
     )
-    assert dead.claim([request], "dead", capacity=1)[0].outcome is Outcome.RUN
+    assert dead.claim([request], "dead", capacity=1).every()[0].outcome is Outcome.RUN
     keeper = Housekeeping(alive, Catalog((job,)), settings())
     with alive.ledger_engine.begin() as conn:
         assert keeper.sweep_crashed(conn, datetime.now(UTC), {"alive"}) == []  # lock still held
@@ -200,7 +200,7 @@ def test_indexes_serve_the_claim_history_and_prune_with_millions_of_rows(databas
         )
         for k in range(1, 501)
     ]
-    assert {r.outcome for r in backend.claim(requests, "ix", capacity=500)} == {Outcome.RUN}
+    assert {r.outcome for r in backend.claim(requests, "ix", capacity=500).every()} == {Outcome.RUN}
     backend.close()
 
 

@@ -67,10 +67,10 @@ def test_two_claims_skipping_the_same_jobs_in_other_orders_do_not_deadlock(datab
     holder, a, b = (backend(database_url, n) for n in ("holder", "a", "b"))
     base = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=20)
     for key in (3, 5):  # the holder runs both jobs: every other tick of theirs is a skip
-        (won,) = holder.claim([request(key, base)], "holder", capacity=10)
+        (won,) = holder.claim([request(key, base)], "holder", capacity=10).every()
         assert won.outcome is Outcome.RUN
     for key in (3, 5):  # the jobs' streak rows exist
-        (skipped,) = a.claim([request(key, base + timedelta(seconds=1))], "a", capacity=10)
+        (skipped,) = a.claim([request(key, base + timedelta(seconds=1))], "a", capacity=10).every()
         assert skipped.outcome is Outcome.SKIPPED
     batch_a = [request(5, base + timedelta(seconds=2)), request(3, base + timedelta(seconds=3))]
     batch_b = [request(3, base + timedelta(seconds=4)), request(5, base + timedelta(seconds=5))]
@@ -79,7 +79,7 @@ def test_two_claims_skipping_the_same_jobs_in_other_orders_do_not_deadlock(datab
 
     def claim(replica: PostgresBackend, batch: list[ClaimRequest]) -> None:
         try:
-            replica.claim(batch, replica.instance, capacity=10)
+            replica.claim(batch, replica.instance, capacity=10).every()
         except BaseException as exc:
             errors.append(exc)
 
@@ -123,7 +123,7 @@ def test_claims_finishes_and_sweeps_running_together_never_deadlock(database_url
                     if rng.random() < 0.6:
                         intent = Intent.SKIP if key in running else Intent.RUN
                         batch.append(request(key, at, intent))
-                for result in replica.claim(batch, replica.instance, capacity=5):
+                for result in replica.claim(batch, replica.instance, capacity=5).every():
                     if result.outcome is Outcome.RUN:
                         running[result.key] = (result.scheduled_at, result.run_id)
                 done = [k for k in running if rng.random() < 0.5]

@@ -74,7 +74,7 @@ def manual(backend, key: int = KEY):
     now = datetime.now(UTC)
     at = now.replace(microsecond=now.microsecond // 1000 * 1000)
     request = ClaimRequest(key, "job", at, Intent.MANUAL, grace_s=30.0, skip_threshold=3)
-    (result,) = backend.claim([request], backend.instance, capacity=1)
+    (result,) = backend.claim([request], backend.instance, capacity=1).every()
     return result
 
 

@@ -50,7 +50,7 @@ def claim(backend, key: int, name: str, tick: datetime):
     request = ClaimRequest(
         key=key, name=name, scheduled_at=tick, intent=Intent.RUN, grace_s=30, skip_threshold=3
     )
-    (result,) = backend.claim([request], backend.instance, capacity=1)
+    (result,) = backend.claim([request], backend.instance, capacity=1).every()
     assert result.outcome is Outcome.RUN
     return result
 

@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from scheduler import ledger
-from scheduler.backends.base import ClaimRequest, ClaimResult, Intent, Outcome, Retries
+from scheduler.backends.base import ClaimAnswer, ClaimRequest, ClaimResult, Intent, Outcome, Retries
 from scheduler.config.schedules import _ticks, tick_after
 from scheduler.fleet import catch_up, pauses
 from scheduler.fleet.housekeeping import SWEEP_EVERY
@@ -244,7 +244,7 @@ class World:
             self.say(f"{name} -> {_brief(result)}")
         if name == "claim":
             requests: list[ClaimRequest] = args[0]
-            self._streaks(requests, result)
+            self._streaks(requests, result.every())
         # A retry is a failed tick's next attempt: it changes no streak (see Retries in
         # docs/run-policies.md), whether it starts or ends.
 
@@ -632,6 +632,8 @@ def fired_ticks(job: CatalogJob, after: datetime, until: datetime) -> list[datet
 def _brief(result: Any) -> str:
     if isinstance(result, Retries):
         result = result.started
+    if isinstance(result, ClaimAnswer):
+        result = result.every()
     if isinstance(result, list):
         return ", ".join(
             f"{r.key}@{r.scheduled_at:%H:%M:%S}:{getattr(r, 'outcome', '')}"

@@ -72,7 +72,7 @@ def claim(backend: EmbeddedBackend, at: datetime, key: int = KEY, intent: Intent
     request = ClaimRequest(
         key=key, name=f"job{key}", scheduled_at=at, intent=intent, grace_s=30, skip_threshold=3
     )
-    (result,) = backend.claim([request], backend.instance, capacity=10)
+    (result,) = backend.claim([request], backend.instance, capacity=10).every()
     return result
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from scheduler.backends.base import ClaimResult, Intent, Outcome
+from scheduler.backends.base import Intent, Outcome, TickRef
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.gate import Gate
 from scheduler.observers import events
@@ -92,8 +92,8 @@ def test_ticks_left_to_other_replicas_are_tried_again_in_one_round_trip(gate_ove
             return claim(requests, *args)
         # The first time, as a fleet of two would answer: the odd keys are the other's share.
         mine = [r for r in requests if r.key % 2 == 0]
-        theirs = [ClaimResult(r.key, r.scheduled_at, Outcome.YIELDED) for r in requests]
-        return claim(mine, *args) + [t for t in theirs if t.key % 2]
+        theirs = [TickRef(r.key, r.scheduled_at) for r in requests if r.key % 2]
+        return claim(mine, *args)._replace(yielded=theirs)
 
     calls = Calls(others_first)
     backend.claim = calls

@@ -250,7 +250,7 @@ def test_history_shows_a_retried_ticks_attempts_under_it(run, tmp_path):
     try:
         at = now_tick(-5)
         request = ClaimRequest(2001, "sync", at, Intent.RUN, grace_s=60, skip_threshold=3)
-        (first,) = backend.claim([request], "r1", capacity=1)
+        (first,) = backend.claim([request], "r1", capacity=1).every()
 
         def fail(result, retry_in):
             backend.finish([FinishRequest(2001, at, result.run_id, Status.FAILED, "boom 1",
