@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     BigInteger,
@@ -549,11 +549,18 @@ def end_retry(conn: Connection, retry: PendingRetry, why: str) -> bool:
 MAINTENANCE_TASKS = ("sweep", "prune", "missed")
 
 
-def elect(conn: Connection, task: str, now: Any, every: float) -> tuple[datetime, datetime] | None:
+class Election(NamedTuple):
+    """A fleet chore this replica won: when it last ran (by anyone), and this run's time."""
+
+    previous: datetime
+    at: datetime  # the backend's clock as the election read it: the chore's "now"
+
+
+def elect(conn: Connection, task: str, now: Any, every: float) -> Election | None:
     """One replica at a time does a fleet chore: whoever moves its clock forward first.
 
     `now` is the backend's clock (PostgreSQL: ``now()``, the same for every
-    replica). Returns (previous run, this run) if this replica won, else None.
+    replica). Returns the election if this replica won, else None.
     Call inside a transaction: a concurrent loser's update finds the row moved.
     """
     previous = conn.execute(
@@ -568,7 +575,7 @@ def elect(conn: Connection, task: str, now: Any, every: float) -> tuple[datetime
         .values(last_run_at=now)
         .returning(maintenance.c.last_run_at)
     ).first()
-    return (previous, row[0]) if row else None
+    return Election(previous, row.last_run_at) if row else None
 
 
 def missed_watermark(conn: Connection) -> datetime:
