@@ -187,23 +187,23 @@ class Housekeeping:
                 live = {i["name"] for i in self.backend.live_instances(conn)}
                 # Row locks in the one order (postgres.sql): tick rows, then job rows; the
                 # registrations come in a transaction of their own, next.
-                done["retries_ended"] = self.end_orphaned_retries(conn, sweep[1], live | {me})
-                crashed = self.sweep_crashed(conn, sweep[1], live | {me})
+                done["retries_ended"] = self.end_orphaned_retries(conn, sweep.at, live | {me})
+                crashed = self.sweep_crashed(conn, sweep.at, live | {me})
                 done["crashed"] = len(crashed)
                 raised += self.count_crashes(conn, crashed)
         with engine.begin() as conn:
             ledger.reassert(conn, me, self._entries(self.catalog), now)
             if sweep is not None:
-                ledger.supersede(conn, live, sweep[1])
+                ledger.supersede(conn, live, sweep.at)
                 registered = ledger.registrations_of(conn)
-                drifting = self.sweep_drift(conn, states, registered, live, sweep[1])
+                drifting = self.sweep_drift(conn, states, registered, live, sweep.at)
                 done["drift"] = len(drifting)
                 raised += drifting
         if raised and self.notices is not None:  # committed: deliver them now
             self.notices.schedule(raised)
         if sweep is not None:  # run-now requests whose taker never said how the run ended
             with engine.begin() as conn:
-                done["requests"] = ledger.settle_ended_requests(conn, sweep[1])
+                done["requests"] = ledger.settle_ended_requests(conn, sweep.at)
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart,
         # which moves its own watermark, so a sweep cut short here loses no window. The
@@ -212,8 +212,8 @@ class Housekeeping:
         if sweep is not None and self.judges_every_job(registered, live | {me}):
             with engine.begin() as conn:
                 since = ledger.missed_watermark(conn)
-                done["missed"] = self.sweep_missed(conn, states, since, sweep[1], registered)
-                ledger.set_missed_watermark(conn, max(since, sweep[1]))
+                done["missed"] = self.sweep_missed(conn, states, since, sweep.at, registered)
+                ledger.set_missed_watermark(conn, max(since, sweep.at))
         names = {job.key: job.name for job in self.catalog}
         if self.on_streaks:
             self.on_streaks(
@@ -232,7 +232,7 @@ class Housekeeping:
                 }
             )
         if prune is not None:
-            cutoff = prune[1] - timedelta(days=self.settings.retention_days)
+            cutoff = prune.at - timedelta(days=self.settings.retention_days)
             done["pruned"] = 0
             with engine.begin() as conn:
                 ledger.prune_registrations(conn, cutoff)
