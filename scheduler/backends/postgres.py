@@ -140,31 +140,32 @@ class Finished(NamedTuple):
         )
 
 
-class RetryTaken(NamedTuple):
-    """A row of scheduler_claim_retries: an attempt started, or (job_key NULL) the last row,
-    which says when the next retry of these jobs is due."""
+class RetriesStarted(NamedTuple):
+    """scheduler_start_retries's one row (postgres.sql): the attempts started, column by
+    column, and in how many seconds the next retry of these jobs is due."""
 
-    job_key: int | None
-    scheduled_at: datetime | None
-    run_id: int | None
-    started_at: datetime | None
-    attempt: int | None
-    crashed: int | None
+    keys: list[int]
+    ticks: list[datetime]
+    run_ids: list[int]
+    started_at: list[datetime]
+    attempts: list[int]
+    crashed: list[int]
     next_in: float | None
 
-    def started(self) -> ClaimResult | None:
-        """The attempt this row started (None: the last row)."""
-        if self.job_key is None or self.scheduled_at is None or self.attempt is None:
-            return None
-        return ClaimResult(
-            self.job_key,
-            self.scheduled_at,
-            Outcome.RUN,
-            self.run_id,
+    def retries(self) -> Retries:
+        columns = (
+            self.keys,
+            self.ticks,
+            self.run_ids,
             self.started_at,
-            crashed=self.crashed or 0,
-            attempt=self.attempt,
+            self.attempts,
+            self.crashed,
         )
+        started = [
+            ClaimResult(key, tick, Outcome.RUN, run_id, started, crashed=stale, attempt=attempt)
+            for key, tick, run_id, started, attempt, stale in _columns(columns)
+        ]
+        return Retries(started, None if self.next_in is None else float(self.next_in))
 
 
 def _columns(arrays: Iterable[list[Any] | None]) -> Iterable[tuple[Any, ...]]:
@@ -468,12 +469,9 @@ class PostgresBackend:
             "fail_thresholds": pg_numbers(fail_thresholds or [3] * len(keys)),
         }
         with self._session() as conn:
-            rows: list[RetryTaken] = named(
-                conn.execute(QUERIES["claim_retries"], params), RetryTaken
-            )
-        started = [found for row in rows if (found := row.started()) is not None]
-        next_in = rows[-1].next_in if rows else None
-        return Retries(started, None if next_in is None else float(next_in))
+            found = conn.execute(QUERIES["claim_retries"], params)
+            rows: list[RetriesStarted] = named(found, RetriesStarted)
+        return rows[0].retries()
 
     def requests_pending(self) -> bool:
         return self._requests

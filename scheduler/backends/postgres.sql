@@ -594,7 +594,7 @@ $$;
 -- they read as lost), then one `fleet` row: the fleet's size, from which they leave
 -- other replicas' shares out of their next batch, and where deferral began (they read
 -- each tick after (deferred_after, deferred_key) as deferred). Drop it once no replica
--- of a version before 9 can be running.
+-- of a version before 10 can be running.
 CREATE FUNCTION scheduler_claim(
     p_namespace integer, p_instance text, p_capacity integer, p_takeover double precision,
     p_share_from integer, p_crashed text, p_keys integer[], p_names text[],
@@ -654,10 +654,106 @@ $$;
 -- to scheduler_attempts and starts the next one on the tick's own row (a new run_id); a
 -- lock held elsewhere leaves the tick waiting, which is no skip. SKIP LOCKED and the
 -- status check make each attempt one replica's. One attempt per job per call: advisory
--- locks stack within a session, so a job's lock is never asked for twice. The last row
--- (job_key NULL) says in how many seconds the next retry of these jobs is due. Stale runs
--- a look marked crashed count as failures once every attempt is started (job rows come
--- after tick rows), at p_fail_thresholds, the jobs' fail_alert_after (older callers: 3).
+-- locks stack within a session, so a job's lock is never asked for twice.
+--
+-- scheduler_start_retry: one due attempt, its job's lock in hand. No row if a pause was
+-- committed while the copy waited on a row: it was acknowledged, so the lock goes back.
+CREATE FUNCTION scheduler_start_retry(
+    p_namespace integer, p_instance text, p_key integer, p_tick timestamptz
+) RETURNS TABLE (run_id bigint, started_at timestamptz, attempt integer)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO scheduler_attempts AS a
+           (job_key, scheduled_at, attempt, instance, run_id, status, started_at,
+            finished_at, duration_s, error, told)
+    SELECT t.job_key, t.scheduled_at, t.attempt, t.instance, t.run_id, 'failed',
+           t.started_at, t.finished_at, t.duration_s, t.error, t.told
+      FROM scheduler_ticks t
+     WHERE t.job_key = p_key AND t.scheduled_at = p_tick
+    ON CONFLICT DO NOTHING;
+    IF EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = p_key) THEN
+        PERFORM pg_advisory_unlock(p_namespace, p_key);
+        RETURN;
+    END IF;
+    RETURN QUERY
+    UPDATE scheduler_ticks t
+       SET status = 'running', attempt = t.attempt + 1, instance = p_instance,
+           run_id = nextval('scheduler_run_id'), started_at = clock_timestamp(),
+           finished_at = NULL, duration_s = NULL, error = NULL, told = NULL,
+           retry_at = NULL, holder = NULL
+     WHERE t.job_key = p_key AND t.scheduled_at = p_tick
+    RETURNING t.run_id, t.started_at, t.attempt;
+END;
+$$;
+
+-- scheduler_start_retries: the due retries of these jobs started, oldest tick first, at
+-- most p_capacity, answered in one row: the attempts started, column by column, with the
+-- stale runs each found (step 6), and in how many seconds the next retry of these jobs
+-- is due. Stale runs count as failures once every attempt is started (job rows come
+-- after tick rows), at p_fail_thresholds, the jobs' fail_alert_after.
+CREATE FUNCTION scheduler_start_retries(
+    p_namespace integer, p_instance text, p_keys integer[], p_capacity integer,
+    p_crashed text, p_fail_thresholds integer[]
+) RETURNS TABLE (
+    keys integer[], ticks timestamptz[], run_ids bigint[], started_at timestamptz[],
+    attempts integer[], crashed integer[], next_in double precision
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    r record;
+    v_run record;
+    v_runs scheduler_tick[] := '{}';
+    v_stale record;
+BEGIN
+    keys := '{}'; ticks := '{}'; run_ids := '{}'; started_at := '{}'; attempts := '{}';
+    crashed := '{}';
+    FOR r IN SELECT t.job_key, t.scheduled_at, t.job_name FROM scheduler_ticks t
+              WHERE t.retry_at <= now() AND t.status = 'failed' AND t.job_key = ANY (p_keys)
+                AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)
+              ORDER BY t.scheduled_at, t.job_key
+                FOR UPDATE OF t SKIP LOCKED
+    LOOP
+        EXIT WHEN cardinality(keys) >= p_capacity;
+        CONTINUE WHEN r.job_key = ANY (keys)
+                   OR NOT pg_try_advisory_lock(p_namespace, r.job_key);
+        SELECT * INTO v_run FROM scheduler_start_retry(p_namespace, p_instance, r.job_key,
+                                                       r.scheduled_at);
+        CONTINUE WHEN NOT FOUND;
+        keys := keys || r.job_key; ticks := ticks || r.scheduled_at;
+        run_ids := run_ids || v_run.run_id; started_at := started_at || v_run.started_at;
+        attempts := attempts || v_run.attempt;
+        v_runs := v_runs || ROW(r.job_key, r.job_name, r.scheduled_at, 'retry', NULL,
+            'running', NULL, NULL, NULL, NULL, NULL,
+            coalesce(p_fail_thresholds[array_position(p_keys, r.job_key)], 3))::scheduler_tick;
+    END LOOP;
+    -- With the locks in hand, any other `running` row of these jobs is stale (step 6).
+    SELECT array_agg(s.key) AS keys, array_agg(s.crashed) AS counts,
+           array_agg(s.newest) AS ticks, array_agg(s.name) AS names,
+           array_agg(s.fail_threshold) AS thresholds
+      INTO v_stale FROM scheduler_crash_stale(v_runs, p_crashed) s;
+    IF v_stale.keys IS NOT NULL THEN
+        PERFORM scheduler_count_crashes(p_instance, v_stale.keys, v_stale.names,
+                                        v_stale.counts, v_stale.ticks, v_stale.thresholds);
+    END IF;
+    crashed := ARRAY(SELECT coalesce(s.n, 0)
+                       FROM unnest(keys) WITH ORDINALITY AS k(key, place)
+                       LEFT JOIN unnest(v_stale.keys, v_stale.counts) AS s(key, n)
+                         ON s.key = k.key
+                      ORDER BY k.place);
+    SELECT extract(epoch FROM min(t.retry_at) - now()) INTO next_in
+      FROM scheduler_ticks t
+     WHERE t.retry_at IS NOT NULL AND t.status = 'failed' AND t.job_key = ANY (p_keys)
+       AND NOT (t.job_key = ANY (keys))
+       AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key);
+    RETURN NEXT;
+END;
+$$;
+
+-- scheduler_claim_retries: scheduler_start_retries for the replicas of earlier versions
+-- (a rolling deploy), in the answer they read: a row per attempt started, then a last
+-- row (job_key NULL) with next_in. Drop it once no replica of a version before 10 can be
+-- running.
 CREATE FUNCTION scheduler_claim_retries(
     p_namespace integer, p_instance text, p_keys integer[], p_capacity integer,
     p_crashed text, p_fail_thresholds integer[] DEFAULT NULL
@@ -666,78 +762,19 @@ CREATE FUNCTION scheduler_claim_retries(
     attempt integer, crashed integer, next_in double precision
 ) LANGUAGE plpgsql AS $$
 #variable_conflict use_column
-DECLARE
-    r record;
-    v_taken integer[] := '{}';
-    v_crash record;
-    v_crash_keys integer[] := '{}';
-    v_crash_names text[] := '{}';
-    v_crash_counts integer[] := '{}';
-    v_crash_ticks timestamptz[] := '{}';
-    v_crash_thresholds integer[] := '{}';
 BEGIN
-    FOR r IN SELECT t.job_key, t.scheduled_at, t.job_name FROM scheduler_ticks t
-              WHERE t.retry_at <= now() AND t.status = 'failed' AND t.job_key = ANY (p_keys)
-                AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)
-              ORDER BY t.scheduled_at, t.job_key
-                FOR UPDATE OF t SKIP LOCKED
-    LOOP
-        EXIT WHEN cardinality(v_taken) >= p_capacity;
-        CONTINUE WHEN r.job_key = ANY (v_taken)
-                   OR NOT pg_try_advisory_lock(p_namespace, r.job_key);
-        v_taken := v_taken || r.job_key;
-        INSERT INTO scheduler_attempts AS a
-               (job_key, scheduled_at, attempt, instance, run_id, status, started_at,
-                finished_at, duration_s, error, told)
-        SELECT t.job_key, t.scheduled_at, t.attempt, t.instance, t.run_id, 'failed',
-               t.started_at, t.finished_at, t.duration_s, t.error, t.told
-          FROM scheduler_ticks t
-         WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
-        ON CONFLICT DO NOTHING;
-        -- A pause committed while that insert waited on a row was acknowledged: honour it.
-        IF EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = r.job_key) THEN
-            PERFORM pg_advisory_unlock(p_namespace, r.job_key);
-            v_taken := array_remove(v_taken, r.job_key);
-            CONTINUE;
-        END IF;
-        UPDATE scheduler_ticks t
-           SET status = 'running', attempt = t.attempt + 1, instance = p_instance,
-               run_id = nextval('scheduler_run_id'), started_at = clock_timestamp(),
-               finished_at = NULL, duration_s = NULL, error = NULL, told = NULL,
-               retry_at = NULL, holder = NULL
-         WHERE t.job_key = r.job_key AND t.scheduled_at = r.scheduled_at
-        RETURNING t.job_key, t.scheduled_at, t.run_id, t.started_at, t.attempt
-             INTO job_key, scheduled_at, run_id, started_at, attempt;
-        -- With the lock in hand, any other `running` row of the job is stale (step 6).
-        SELECT s.key, s.crashed, s.newest, s.name, s.fail_threshold INTO v_crash
-          FROM scheduler_crash_stale(ARRAY[ROW(r.job_key, r.job_name, r.scheduled_at, 'retry',
-                   NULL, 'running', NULL, NULL, NULL, NULL, NULL,
-                   coalesce((SELECT f.threshold FROM unnest(p_keys, p_fail_thresholds)
-                                                    AS f(key, threshold)
-                              WHERE f.key = r.job_key), 3))::scheduler_tick], p_crashed) s;
-        crashed := coalesce(v_crash.crashed, 0);
-        IF crashed > 0 THEN
-            v_crash_keys := v_crash_keys || v_crash.key;
-            v_crash_names := v_crash_names || v_crash.name;
-            v_crash_counts := v_crash_counts || crashed;
-            v_crash_ticks := v_crash_ticks || v_crash.newest;
-            v_crash_thresholds := v_crash_thresholds || v_crash.fail_threshold;
-        END IF;
-        next_in := NULL;
-        RETURN NEXT;
-    END LOOP;
-    IF cardinality(v_crash_keys) > 0 THEN
-        PERFORM scheduler_count_crashes(p_instance, v_crash_keys, v_crash_names,
-                                        v_crash_counts, v_crash_ticks, v_crash_thresholds);
-    END IF;
-    job_key := NULL; scheduled_at := NULL; run_id := NULL; started_at := NULL;
-    attempt := NULL; crashed := NULL;
-    SELECT extract(epoch FROM min(t.retry_at) - now()) INTO next_in
-      FROM scheduler_ticks t
-     WHERE t.retry_at IS NOT NULL AND t.status = 'failed' AND t.job_key = ANY (p_keys)
-       AND NOT (t.job_key = ANY (v_taken))
-       AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key);
-    RETURN NEXT;
+    RETURN QUERY
+    WITH s AS (
+        SELECT * FROM scheduler_start_retries(p_namespace, p_instance, p_keys, p_capacity,
+            p_crashed, coalesce(p_fail_thresholds, array_fill(3, ARRAY[cardinality(p_keys)])))
+    )
+    SELECT x.key, x.tick, x.run_id, x.started, x.attempt, x.crashed, x.next_in
+      FROM (SELECT a.*, NULL::double precision AS next_in
+              FROM s, unnest(s.keys, s.ticks, s.run_ids, s.started_at, s.attempts, s.crashed)
+                      WITH ORDINALITY AS a(key, tick, run_id, started, attempt, crashed, place)
+            UNION ALL
+            SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.next_in FROM s) x
+     ORDER BY x.place NULLS LAST;
 END;
 $$;
 

@@ -17,8 +17,8 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
     CAST(:next_dues AS timestamptz[]), CAST(:retry_in AS double precision[]))
 
 -- name: claim_retries
--- Due retries of these jobs taken, lock first (scheduler_claim_retries).
-SELECT * FROM scheduler_claim_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,
+-- Due retries of these jobs started, lock first (scheduler_start_retries).
+SELECT * FROM scheduler_start_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,
     :crashed, CAST(:fail_thresholds AS integer[]))
 
 -- name: release_strays

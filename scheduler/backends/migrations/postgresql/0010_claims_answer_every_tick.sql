@@ -1,4 +1,5 @@
 -- A claim answers every tick it was sent (scheduler_decide): what each tick it recorded
--- carries, and the lost, yielded and deferred ones as spans of their places in the batch.
--- scheduler_claim stays for replicas of earlier versions, in the answer they read. A
--- change of the gate's functions only (postgres.sql), no table changed.
+-- carries, and the lost, yielded and deferred ones as spans of their places in the batch;
+-- a look for retries answers in one row too (scheduler_start_retries). scheduler_claim
+-- and scheduler_claim_retries stay for replicas of earlier versions, in the answers they
+-- read. A change of the gate's functions only (postgres.sql), no table changed.
