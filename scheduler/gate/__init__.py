@@ -42,7 +42,7 @@ from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
 from scheduler.errors import one_line
 from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
-from scheduler.gate.manual import ManualTicks, RequestDesk
+from scheduler.gate.manual import ManualTicks, RequestDesk, outcome
 from scheduler.gate.retries import RetryLook
 from scheduler.gate.runs import ManualResult, Run
 from scheduler.gate.session import Backoff, LockSession
@@ -181,14 +181,7 @@ class Gate:
         result: Future[ManualResult] = Future()
         self.manual.add(job, result)
         self.wake()
-        deadline = None if timeout is None else self.monotonic() + timeout
-        while not result.done():  # awake every second for a signal's handler (Daemon.run)
-            left = 1.0 if deadline is None else min(1.0, deadline - self.monotonic())
-            if left <= 0:
-                return ManualResult(Outcome.LOST, error="timed out")
-            with contextlib.suppress(TimeoutError):
-                result.result(timeout=left)
-        return result.result()
+        return outcome(result, self.monotonic, timeout)
 
     def catch_up(self, job: CatalogJob, tick: datetime) -> ManualResult:
         """Claim one missed tick (`catch_up: all`), lock first; wait for its run to end.
@@ -200,10 +193,7 @@ class Gate:
         result: Future[ManualResult] = Future()
         self.manual.add(job, result, tick, Intent.CATCH_UP)
         self.wake()
-        while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                return result.result(timeout=1.0)
-        return ManualResult(Outcome.LOST, error="stopping")
+        return outcome(result, self.monotonic, until=self._stopped)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gate", daemon=True)
@@ -403,7 +393,7 @@ class Gate:
         for i, m in enumerate(manual):
             if self.table.stopping.is_set():  # shutting down: nothing new starts here
                 m.result.set_result(ManualResult(Outcome.LOST, error="this replica is stopping"))
-            elif m.intent is Intent.CATCH_UP and not self._still_enabled(m.job):
+            elif m.intent is Intent.CATCH_UP and not _enabled_now(self.desk, m.job):
                 m.result.set_result(ManualResult(Outcome.LOST, error="disabled by a reload"))
             elif self.table.running(m.job.key) is not Running.NOT:
                 m.result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
@@ -421,11 +411,6 @@ class Gate:
                     self.manual.put_back(manual[i + 1 :])
                     return True
         return False
-
-    def _still_enabled(self, job: CatalogJob) -> bool:
-        """Whether the catalog in force now (after any reload) has the job enabled."""
-        current = self.desk.job(job.key) if self.desk is not None else job
-        return current is not None and current.enabled
 
     def _claim_retries(self) -> bool:
         """Start due retries of jobs this replica has and is not running (retries.py).
@@ -447,6 +432,12 @@ class Gate:
             return True
         self.table.start(won, self.session.generation, self.session.opened)
         return bool(gone)
+
+
+def _enabled_now(desk: RequestDesk | None, job: CatalogJob) -> bool:
+    """Whether the catalog in force now (after any reload) has the job enabled."""
+    current = desk.job(job.key) if desk is not None else job
+    return current is not None and current.enabled
 
 
 __all__ = ["Backoff", "Claimed", "Gate", "ManualResult", "Run", "claim_request", "utc_now"]

@@ -7,6 +7,7 @@ dispatcher took from the ledger, a catch-up pass); the dispatcher claims them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -113,6 +114,26 @@ class ManualTicks:
                 "run-now: %s, asked by %s (request %d)", job.name, request.requested_by, request.id
             )
             self.add(job, result)
+
+
+def outcome(
+    result: Future[ManualResult],
+    monotonic: Callable[[], float],
+    timeout: float | None = None,
+    until: threading.Event | None = None,
+) -> ManualResult:
+    """Wait for a manual tick's outcome: `lost` once `timeout` has passed or `until` is
+    set (the gate stops). Awake every second, for a signal's handler (Daemon.run)."""
+    deadline = None if timeout is None else monotonic() + timeout
+    while not result.done():
+        if until is not None and until.is_set():
+            return ManualResult(Outcome.LOST, error="stopping")
+        left = 1.0 if deadline is None else min(1.0, deadline - monotonic())
+        if left <= 0:
+            return ManualResult(Outcome.LOST, error="timed out")
+        with contextlib.suppress(TimeoutError):
+            result.result(timeout=left)
+    return result.result()
 
 
 def _settle(desk: RequestDesk, request: RunRequest, done: Future[ManualResult]) -> None:
