@@ -22,9 +22,9 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
 from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Crashes, Intent
@@ -119,13 +119,8 @@ class Housekeeping:
     ) -> None:
         me = self.settings.instance_name
         self._refuse_clashes(catalog, ledger.registrations_of(conn), others)
-        ledger.register(conn, me, self._entries(catalog), others, now)
+        ledger.register(conn, me, entries(catalog), others, now)
         ledger.supersede(conn, {*others, me}, now)
-
-    @staticmethod
-    def _entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:
-        """What this replica registers: each job's key, name and schedule."""
-        return [(job.key, job.name, schedule_text(job)) for job in catalog]
 
     def _refuse_clashes(
         self, catalog: Catalog, found: list[ledger.Registration], live: set[str]
@@ -192,7 +187,7 @@ class Housekeeping:
                 done["crashed"] = len(crashed)
                 raised += self.count_crashes(conn, crashed)
         with engine.begin() as conn:
-            ledger.reassert(conn, me, self._entries(self.catalog), now)
+            ledger.reassert(conn, me, entries(self.catalog), now)
             if sweep is not None:
                 ledger.supersede(conn, live, sweep.at)
                 registered = ledger.registrations_of(conn)
@@ -209,49 +204,16 @@ class Housekeeping:
         # which moves its own watermark, so a sweep cut short here loses no window. The
         # window is the fleet's: only a replica that has every job a live replica runs
         # (and so its grace) moves it; another leaves it to one that does.
-        if sweep is not None and self.judges_every_job(registered, live | {me}):
+        if sweep is not None and judges_every_job(self.catalog, registered, live | {me}):
             with engine.begin() as conn:
                 since = ledger.missed_watermark(conn)
                 done["missed"] = self.sweep_missed(conn, states, since, sweep.at, registered)
                 ledger.set_missed_watermark(conn, max(since, sweep.at))
-        names = {job.key: job.name for job in self.catalog}
-        if self.on_streaks:
-            self.on_streaks(
-                {
-                    names[key]: int(state["consecutive_skips"])
-                    for key, state in states.items()
-                    if key in names
-                }
-            )
-        if self.on_drift:
-            self.on_drift(
-                {
-                    names[key]: state.get("drift_since") is not None
-                    for key, state in states.items()
-                    if key in names
-                }
-            )
+        report_states(self.catalog, states, self.on_streaks, self.on_drift)
         if prune is not None:
             cutoff = prune.at - timedelta(days=self.settings.retention_days)
-            done["pruned"] = 0
-            with engine.begin() as conn:
-                ledger.prune_registrations(conn, cutoff)
-            while True:
-                with engine.begin() as conn:
-                    removed = ledger.prune_batch(conn, cutoff)
-                done["pruned"] += removed
-                if not removed:
-                    break
+            done["pruned"] = prune_before(engine, cutoff)
         return done
-
-    def judges_every_job(self, registered: list[ledger.Registration], live: set[str]) -> bool:
-        """Whether this replica schedules every job a live replica has a schedule of."""
-        mine = {job.key for job in self.catalog.scheduled}
-        return all(
-            r.key in mine
-            for r in registered
-            if r.instance in live and r.until is None and r.schedule is not None
-        )
 
     def sweep_drift(
         self,
@@ -434,6 +396,53 @@ class Housekeeping:
             ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
             expected += [(job.key, tick) for tick in ticks]
         return expected
+
+
+def entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:
+    """What a replica registers: each job's key, name and schedule."""
+    return [(job.key, job.name, schedule_text(job)) for job in catalog]
+
+
+def judges_every_job(
+    catalog: Catalog, registered: list[ledger.Registration], live: set[str]
+) -> bool:
+    """Whether a replica with `catalog` schedules every job a live replica has a schedule of
+    (so that it knows every job's grace, and may move the fleet's missed-tick window)."""
+    mine = {job.key for job in catalog.scheduled}
+    return all(
+        r.key in mine
+        for r in registered
+        if r.instance in live and r.until is None and r.schedule is not None
+    )
+
+
+def report_states(
+    catalog: Catalog,
+    states: dict[int, dict[str, Any]],
+    on_streaks: Callable[[dict[str, int]], None] | None,
+    on_drift: Callable[[dict[str, bool]], None] | None,
+) -> None:
+    """The skip streaks and drifting schedules of this replica's jobs, for the metrics."""
+    names = {job.key: job.name for job in catalog}
+    mine = {names[key]: state for key, state in states.items() if key in names}
+    if on_streaks:
+        on_streaks({name: int(state["consecutive_skips"]) for name, state in mine.items()})
+    if on_drift:
+        on_drift({name: state.get("drift_since") is not None for name, state in mine.items()})
+
+
+def prune_before(engine: Engine, cutoff: datetime) -> int:
+    """Retention: registrations, then tick rows, older than `cutoff`, in small batches (a
+    transaction each, so no lock is held long). Returns the tick rows removed."""
+    with engine.begin() as conn:
+        ledger.prune_registrations(conn, cutoff)
+    pruned = 0
+    while True:
+        with engine.begin() as conn:
+            removed = ledger.prune_batch(conn, cutoff)
+        pruned += removed
+        if not removed:
+            return pruned
 
 
 def known_to_last(row: ledger.TickRow, seen: datetime | None, live: set[str]) -> float | None:
