@@ -790,6 +790,40 @@ def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Re
     ]
 
 
+def _inheritance(
+    found: list[Registration], instance: str, live: set[str]
+) -> dict[tuple[int, str | None], datetime]:
+    """(job, schedule) of replicas now gone -> since when the fleet has run it so."""
+    heirs: dict[tuple[int, str | None], datetime] = {}
+    for r in found:
+        if r.instance != instance and r.instance not in live and r.until is None:
+            pair = (r.key, r.schedule)
+            heirs[pair] = min(r.since, heirs.get(pair, r.since))
+    return heirs
+
+
+def _take_over(
+    conn: Connection,
+    heirs: dict[tuple[int, str | None], datetime],
+    wanted: set[tuple[int, str | None]],
+    keep: list[str],
+) -> None:
+    """The gone replicas' open rows of what this one runs too: they live on in its own."""
+    inherited: dict[str | None, list[int]] = {}
+    for key, schedule in heirs:
+        if (key, schedule) in wanted:
+            inherited.setdefault(schedule, []).append(key)
+    for schedule, keys in inherited.items():
+        conn.execute(
+            delete(registrations).where(
+                registrations.c.job_key.in_(sorted(keys)),
+                registrations.c.schedule.is_not_distinct_from(schedule),
+                registrations.c.until.is_(None),
+                registrations.c.instance.not_in(keep),
+            )
+        )
+
+
 def registered_instances(conn: Connection) -> set[str]:
     """The replicas that have some schedule in force (an open registration)."""
     query = select(registrations.c.instance).where(registrations.c.until.is_(None)).distinct()
@@ -812,25 +846,8 @@ def register(
     row stays: the ticks from before the change are judged by it (scheduler.fleet.due).
     """
     found = registrations_of(conn)
-    heirs: dict[tuple[int, str | None], datetime] = {}
-    for r in found:
-        if r.instance != instance and r.instance not in live and r.until is None:
-            pair = (r.key, r.schedule)
-            heirs[pair] = min(r.since, heirs.get(pair, r.since))
-    wanted = {(key, schedule) for key, _, schedule in entries}
-    inherited: dict[str | None, list[int]] = {}
-    for key, schedule in heirs:
-        if (key, schedule) in wanted:
-            inherited.setdefault(schedule, []).append(key)
-    for schedule, keys in inherited.items():  # the gone replicas' rows live on in this one's
-        conn.execute(
-            delete(registrations).where(
-                registrations.c.job_key.in_(sorted(keys)),
-                registrations.c.schedule.is_not_distinct_from(schedule),
-                registrations.c.until.is_(None),
-                registrations.c.instance.not_in([*live, instance]),
-            )
-        )
+    heirs = _inheritance(found, instance, live)
+    _take_over(conn, heirs, {(key, schedule) for key, _, schedule in entries}, [*live, instance])
     mine = {r.key: r for r in found if r.instance == instance and r.until is None}
     rows, renamed = [], []
     for key, name, schedule in sorted(entries):

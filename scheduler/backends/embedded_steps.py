@@ -103,8 +103,9 @@ class Tick:
         return self.request.key
 
 
-class Steps:
-    """One transaction's worth of steps; `taken` are the locks it took (given back if it fails)."""
+class _Shared:
+    """One transaction: its connection, the locks it took (`taken`, given back if it fails),
+    and the helpers every step uses."""
 
     def __init__(self, conn: Connection, locks: FileLocks, instance: str, now: datetime) -> None:
         self.conn, self.locks, self.instance, self.now = conn, locks, instance, now
@@ -113,6 +114,146 @@ class Steps:
         # taken (each lock leaves its own tick out; this transaction is the only writer).
         self._running: dict[int, list[tuple[str | None, datetime]]] | None = None
 
+    # -- shared -------------------------------------------------------------------------
+
+    def _lock(self, key: int, tick: datetime) -> bool:
+        """The job's lock, kept only if it proves the job's other running rows stale.
+
+        Every path that takes a job's lock comes here. A flock alone is not that
+        proof: its file may have replaced one a live run still holds, or that run's
+        job may have closed its replica's descriptor (`FileLocks.proves_over`);
+        then the job counts as held, as it is.
+        """
+        if not self.locks.try_lock(key):
+            return False
+        if self._running is None:  # read once: this transaction is the only writer
+            self._running = {}
+            for row in ledger.running(self.conn):
+                self._running.setdefault(row.key, []).append((row.instance, row.scheduled_at))
+        others = {i or "" for i, at in self._running.get(key, []) if at != tick}
+        if not self.locks.proves_over(key, others):
+            self.locks.unlock(key)
+            return False
+        self.locks.stamp(key)
+        self.taken.append(key)
+        return True
+
+    def _crash_others(self, r: ClaimRequest, message: str) -> Crashes:
+        """With the job's lock in hand, its other `running` rows are stale: crashed."""
+        t = ledger.ticks
+        marked = self.conn.execute(
+            update(t)
+            .where(
+                t.c.job_key == r.key,
+                t.c.status == Status.RUNNING,
+                t.c.scheduled_at != r.scheduled_at,
+            )
+            .values(status=Status.CRASHED, finished_at=self.now, error=message)
+            .returning(t.c.scheduled_at)
+        ).all()
+        newest = max((row.scheduled_at for row in marked), default=r.scheduled_at)
+        return Crashes(r, len(marked), newest)
+
+    def _has_row(self, key: int, tick: datetime) -> bool:
+        t = ledger.ticks
+        query = select(t.c.job_key).where(t.c.job_key == key, t.c.scheduled_at == tick)
+        return self.conn.execute(query).first() is not None
+
+    def _paused(self, keys: set[int]) -> set[int]:
+        if not keys:
+            return set()
+        p = ledger.pauses
+        query = select(p.c.job_key).where(p.c.job_key.in_(sorted(keys)))
+        return {row.job_key for row in self.conn.execute(query)}
+
+    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any, bool]:
+        """Whose run holds the job now: its newest `running` row not in `exclude`, and
+        whether a person asked for it."""
+        t = ledger.ticks
+        rows = self.conn.execute(
+            select(t.c.instance, t.c.started_at, t.c.scheduled_at, t.c.manual)
+            .where(t.c.job_key == key, t.c.status == Status.RUNNING)
+            .order_by(t.c.scheduled_at.desc())
+        )
+        row = next((row for row in rows if (key, row.scheduled_at) not in exclude), None)
+        return (row.instance, row.started_at, bool(row.manual)) if row else (None, None, False)
+
+    def _next_run_id(self) -> int:
+        c = ledger.counters
+        bump = update(c).where(c.c.name == "run_id").values(value=c.c.value + 1)
+        return int(self.conn.execute(bump.returning(c.c.value)).scalar_one())
+
+    def _job_name(self, r: FinishRequest) -> str:
+        t = ledger.ticks
+        query = select(t.c.job_name).where(t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at)
+        return str(self.conn.execute(query).scalar_one())
+
+    def _ensure_job(self, key: int, name: str) -> None:
+        statement = insert(ledger.jobs).values(job_key=key, job_name=name, tracked_since=self.now)
+        self.conn.execute(statement.on_conflict_do_nothing())
+
+    def _skip_alert(self, tick: Tick, streak: int, threshold: int) -> int:
+        since = tick.holder_since
+        r = tick.request
+        return self._notice(
+            "job.skips_exceeded",
+            TickRef(r.key, r.scheduled_at),
+            r.name,
+            consecutive_skips=streak,
+            threshold=threshold,
+            holder=tick.holder,
+            holder_since=since.isoformat() if since else None,
+            running_s=(self.now - since).total_seconds() if since else None,
+        )
+
+    def _notice(self, event: str, tick: TickRef, name: str, **facts: Any) -> int:
+        """Write a notice to the outbox, leased to this replica (`scheduler.observers.notices`)."""
+        return ledger.add_notice(
+            self.conn,
+            event,
+            tick.key,
+            name,
+            facts,
+            raised_by=self.instance,
+            now=self.now,
+            scheduled_at=tick.scheduled_at,
+            deliverer=self.instance,
+        )
+
+    def count_crashes(self, crashes: Mapping[int, Crashes]) -> dict[int, int]:
+        """Crashed runs count as failures (scheduler_count_crashes): key -> its alert, if any.
+
+        The failure streak grows by the runs crashed, and alerts once when it first
+        reaches the threshold in force; the notice says the runs crashed.
+        """
+        j = ledger.jobs
+        alerts = {}
+        for key in sorted(crashes):
+            found = crashes[key]
+            self._ensure_job(key, found.request.name)
+            row = self.conn.execute(select(j).where(j.c.job_key == key)).one()
+            failures = row.consecutive_failures + found.count
+            threshold = found.request.fail_threshold
+            alerting = not row.fail_alerted and failures >= threshold
+            self.conn.execute(
+                update(j)
+                .where(j.c.job_key == key)
+                .values(consecutive_failures=failures, fail_alerted=row.fail_alerted or alerting)
+            )
+            if alerting:
+                alerts[key] = self._notice(
+                    "job.failures_exceeded",
+                    TickRef(key, found.newest),
+                    found.request.name,
+                    consecutive_failures=failures,
+                    threshold=threshold,
+                    instance=self.instance,
+                    crashed=found.count,
+                )
+        return alerts
+
+
+class _Decide(_Shared):
     # -- scheduler_decide ---------------------------------------------------------------
 
     def choose(self, requests: Sequence[ClaimRequest], capacity: int) -> list[Tick]:
@@ -225,38 +366,6 @@ class Steps:
         }
         return {key: crashes for key, crashes in found.items() if crashes.count}
 
-    def count_crashes(self, crashes: Mapping[int, Crashes]) -> dict[int, int]:
-        """Crashed runs count as failures (scheduler_count_crashes): key -> its alert, if any.
-
-        The failure streak grows by the runs crashed, and alerts once when it first
-        reaches the threshold in force; the notice says the runs crashed.
-        """
-        j = ledger.jobs
-        alerts = {}
-        for key in sorted(crashes):
-            found = crashes[key]
-            self._ensure_job(key, found.request.name)
-            row = self.conn.execute(select(j).where(j.c.job_key == key)).one()
-            failures = row.consecutive_failures + found.count
-            threshold = found.request.fail_threshold
-            alerting = not row.fail_alerted and failures >= threshold
-            self.conn.execute(
-                update(j)
-                .where(j.c.job_key == key)
-                .values(consecutive_failures=failures, fail_alerted=row.fail_alerted or alerting)
-            )
-            if alerting:
-                alerts[key] = self._notice(
-                    "job.failures_exceeded",
-                    TickRef(key, found.newest),
-                    found.request.name,
-                    consecutive_failures=failures,
-                    threshold=threshold,
-                    instance=self.instance,
-                    crashed=found.count,
-                )
-        return alerts
-
     def skip_streaks(self, ticks: list[Tick]) -> Streaks:
         """(key, tick) -> (streak, alert, notice); (key, None) -> the streak a run ends.
 
@@ -293,6 +402,8 @@ class Steps:
                 out[(key, tick.request.scheduled_at)] = Streak(streak, notice is not None, notice)
         return out
 
+
+class _Finish(_Shared):
     # -- scheduler_finish ---------------------------------------------------------------
 
     def record_finishes(self, requests: Sequence[FinishRequest]) -> list[Recorded]:
@@ -377,13 +488,14 @@ class Steps:
             out[r.key] = Settled(shown, fail_alert, recovered, skips_recovered, notices)
         return out
 
+
+class _Retries(_Shared):
     # -- scheduler_claim_retries ---------------------------------------------------------
 
     def claim_retries(
         self, keys: Sequence[int], capacity: int, crashed: str, thresholds: dict[int, int]
     ) -> Retries:
         """Due retries of these jobs, lock first; one attempt per job (as in postgres.sql)."""
-        t = ledger.ticks
         waiting = self._waiting_retries(keys)
         started: list[ClaimResult] = []
         crashes: dict[int, Crashes] = {}
@@ -393,59 +505,10 @@ class Steps:
             due = row.retry_at <= self.now and all(r.key != row.job_key for r in started)
             if not due or not self._lock(row.job_key, row.scheduled_at):
                 continue
-            self.conn.execute(
-                insert(ledger.attempts)
-                .values(
-                    job_key=row.job_key,
-                    scheduled_at=row.scheduled_at,
-                    attempt=row.attempt,
-                    instance=row.instance,
-                    run_id=row.run_id,
-                    status=Status.FAILED,
-                    started_at=row.started_at,
-                    finished_at=row.finished_at,
-                    duration_s=row.duration_s,
-                    error=row.error,
-                    told=row.told,
-                )
-                .on_conflict_do_nothing()
-            )
-            run_id = self._next_run_id()
-            self.conn.execute(
-                update(t)
-                .where(t.c.job_key == row.job_key, t.c.scheduled_at == row.scheduled_at)
-                .values(
-                    status=Status.RUNNING,
-                    attempt=row.attempt + 1,
-                    instance=self.instance,
-                    run_id=run_id,
-                    started_at=self.now,
-                    finished_at=None,
-                    duration_s=None,
-                    error=None,
-                    told=None,
-                    retry_at=None,
-                    holder=None,
-                )
-            )
-            request = ClaimRequest(
-                row.job_key, row.job_name, row.scheduled_at, Intent.RUN, 0, 0,
-                thresholds.get(row.job_key, 3),
-            )  # fmt: skip
-            stale = self._crash_others(request, crashed)
+            result, stale = self._start_retry(row, crashed, thresholds.get(row.job_key, 3))
             if stale.count:
                 crashes[row.job_key] = stale
-            started.append(
-                ClaimResult(
-                    row.job_key,
-                    row.scheduled_at,
-                    Outcome.RUN,
-                    run_id,
-                    self.now,
-                    crashed=stale.count,
-                    attempt=row.attempt + 1,
-                )
-            )
+            started.append(result)
         self.count_crashes(crashes)  # after every attempt is started, as in postgres.sql
         taken = {r.key for r in started}
         later = [r.retry_at for r in waiting if r.job_key not in taken]
@@ -466,111 +529,64 @@ class Steps:
         )
         return list(self.conn.execute(query))
 
-    # -- shared -------------------------------------------------------------------------
-
-    def _lock(self, key: int, tick: datetime) -> bool:
-        """The job's lock, kept only if it proves the job's other running rows stale.
-
-        Every path that takes a job's lock comes here. A flock alone is not that
-        proof: its file may have replaced one a live run still holds, or that run's
-        job may have closed its replica's descriptor (`FileLocks.proves_over`);
-        then the job counts as held, as it is.
-        """
-        if not self.locks.try_lock(key):
-            return False
-        if self._running is None:  # read once: this transaction is the only writer
-            self._running = {}
-            for row in ledger.running(self.conn):
-                self._running.setdefault(row.key, []).append((row.instance, row.scheduled_at))
-        others = {i or "" for i, at in self._running.get(key, []) if at != tick}
-        if not self.locks.proves_over(key, others):
-            self.locks.unlock(key)
-            return False
-        self.locks.stamp(key)
-        self.taken.append(key)
-        return True
-
-    def _crash_others(self, r: ClaimRequest, message: str) -> Crashes:
-        """With the job's lock in hand, its other `running` rows are stale: crashed."""
+    def _start_retry(
+        self, row: Any, crashed: str, fail_threshold: int
+    ) -> tuple[ClaimResult, Crashes]:
+        """The failed attempt kept in `attempts`; the row runs again, here, as the next one."""
         t = ledger.ticks
-        marked = self.conn.execute(
-            update(t)
-            .where(
-                t.c.job_key == r.key,
-                t.c.status == Status.RUNNING,
-                t.c.scheduled_at != r.scheduled_at,
+        self.conn.execute(
+            insert(ledger.attempts)
+            .values(
+                job_key=row.job_key,
+                scheduled_at=row.scheduled_at,
+                attempt=row.attempt,
+                instance=row.instance,
+                run_id=row.run_id,
+                status=Status.FAILED,
+                started_at=row.started_at,
+                finished_at=row.finished_at,
+                duration_s=row.duration_s,
+                error=row.error,
+                told=row.told,
             )
-            .values(status=Status.CRASHED, finished_at=self.now, error=message)
-            .returning(t.c.scheduled_at)
-        ).all()
-        newest = max((row.scheduled_at for row in marked), default=r.scheduled_at)
-        return Crashes(r, len(marked), newest)
-
-    def _has_row(self, key: int, tick: datetime) -> bool:
-        t = ledger.ticks
-        query = select(t.c.job_key).where(t.c.job_key == key, t.c.scheduled_at == tick)
-        return self.conn.execute(query).first() is not None
-
-    def _paused(self, keys: set[int]) -> set[int]:
-        if not keys:
-            return set()
-        p = ledger.pauses
-        query = select(p.c.job_key).where(p.c.job_key.in_(sorted(keys)))
-        return {row.job_key for row in self.conn.execute(query)}
-
-    def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any, bool]:
-        """Whose run holds the job now: its newest `running` row not in `exclude`, and
-        whether a person asked for it."""
-        t = ledger.ticks
-        rows = self.conn.execute(
-            select(t.c.instance, t.c.started_at, t.c.scheduled_at, t.c.manual)
-            .where(t.c.job_key == key, t.c.status == Status.RUNNING)
-            .order_by(t.c.scheduled_at.desc())
+            .on_conflict_do_nothing()
         )
-        row = next((row for row in rows if (key, row.scheduled_at) not in exclude), None)
-        return (row.instance, row.started_at, bool(row.manual)) if row else (None, None, False)
-
-    def _next_run_id(self) -> int:
-        c = ledger.counters
-        bump = update(c).where(c.c.name == "run_id").values(value=c.c.value + 1)
-        return int(self.conn.execute(bump.returning(c.c.value)).scalar_one())
-
-    def _job_name(self, r: FinishRequest) -> str:
-        t = ledger.ticks
-        query = select(t.c.job_name).where(t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at)
-        return str(self.conn.execute(query).scalar_one())
-
-    def _ensure_job(self, key: int, name: str) -> None:
-        statement = insert(ledger.jobs).values(job_key=key, job_name=name, tracked_since=self.now)
-        self.conn.execute(statement.on_conflict_do_nothing())
-
-    def _skip_alert(self, tick: Tick, streak: int, threshold: int) -> int:
-        since = tick.holder_since
-        r = tick.request
-        return self._notice(
-            "job.skips_exceeded",
-            TickRef(r.key, r.scheduled_at),
-            r.name,
-            consecutive_skips=streak,
-            threshold=threshold,
-            holder=tick.holder,
-            holder_since=since.isoformat() if since else None,
-            running_s=(self.now - since).total_seconds() if since else None,
+        run_id = self._next_run_id()
+        self.conn.execute(
+            update(t)
+            .where(t.c.job_key == row.job_key, t.c.scheduled_at == row.scheduled_at)
+            .values(
+                status=Status.RUNNING,
+                attempt=row.attempt + 1,
+                instance=self.instance,
+                run_id=run_id,
+                started_at=self.now,
+                finished_at=None,
+                duration_s=None,
+                error=None,
+                told=None,
+                retry_at=None,
+                holder=None,
+            )
         )
-
-    def _notice(self, event: str, tick: TickRef, name: str, **facts: Any) -> int:
-        """Write a notice to the outbox, leased to this replica (`scheduler.observers.notices`)."""
-        return ledger.add_notice(
-            self.conn,
-            event,
-            tick.key,
-            name,
-            facts,
-            raised_by=self.instance,
-            now=self.now,
-            scheduled_at=tick.scheduled_at,
-            deliverer=self.instance,
+        request = ClaimRequest(
+            row.job_key, row.job_name, row.scheduled_at, Intent.RUN, 0, 0, fail_threshold,
+        )  # fmt: skip
+        stale = self._crash_others(request, crashed)
+        result = ClaimResult(
+            row.job_key,
+            row.scheduled_at,
+            Outcome.RUN,
+            run_id,
+            self.now,
+            crashed=stale.count,
+            attempt=row.attempt + 1,
         )
+        return result, stale
+
+
+class Steps(_Decide, _Finish, _Retries):
+    """One transaction's worth of steps, by the names of postgres.sql's functions' steps."""
 
 
 def _overran(tick: Tick) -> bool:

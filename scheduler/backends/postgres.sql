@@ -847,19 +847,25 @@ $$;
 -- alerted). A run that ends before its job's next tick is due keeps up: it ends an
 -- overrun, and an overrun that had raised a skip alert gets its one recovery notice.
 -- A failed attempt with another to come changes no streak: it is not the tick's end.
-CREATE FUNCTION scheduler_finish_streaks(p_instance text, p_done scheduler_done[])
-RETURNS TABLE (key integer, tick timestamptz, failures integer, alert boolean,
-                 recovered boolean, skips_recovered boolean, notices bigint[])
-LANGUAGE plpgsql AS $$
-#variable_conflict use_column
-BEGIN
+-- A job that ends a tick failed has its row, so its failure streak has a home.
+CREATE FUNCTION scheduler_track_failed(p_done scheduler_done[])
+RETURNS void LANGUAGE sql AS $$
     INSERT INTO scheduler_jobs (job_key, job_name, tracked_since)
     SELECT d.key, (SELECT r.job_name FROM scheduler_ticks r
                     WHERE r.job_key = d.key AND r.scheduled_at = d.tick), now()
       FROM unnest(p_done) d
      WHERE d.recorded AND d.status IN ('failed', 'crashed') AND NOT d.retrying
      ORDER BY d.key
-    ON CONFLICT DO NOTHING;
+    ON CONFLICT DO NOTHING
+$$;
+
+CREATE FUNCTION scheduler_finish_streaks(p_instance text, p_done scheduler_done[])
+RETURNS TABLE (key integer, tick timestamptz, failures integer, alert boolean,
+                 recovered boolean, skips_recovered boolean, notices bigint[])
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM scheduler_track_failed(p_done);
     RETURN QUERY
     WITH d AS (
         -- A run abandoned at shutdown (crashed) ends its tick as a failure does.

@@ -1,0 +1,2 @@
+-- Functions only: scheduler_finish_streaks gives the rows of jobs that end a tick failed
+-- to scheduler_track_failed, a function of its own. No table changed.
