@@ -61,9 +61,10 @@ class Trace:
 
 
 def events_module() -> Any:
-    try:
+    """The tree's own events (an editable install may answer for a module it lacks)."""
+    if (TREE / "scheduler" / "observers").is_dir():
         from scheduler.observers import events
-    except ImportError:  # a tree from before the observers/ folder
+    else:  # a tree from before the observers/ folder
         from scheduler import events  # type: ignore[no-redef]
     return events
 
