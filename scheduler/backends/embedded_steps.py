@@ -448,8 +448,11 @@ class _Finish(_Shared):
             self._ensure_job(r.key, self._job_name(r))
             row = self.conn.execute(select(j).where(j.c.job_key == r.key)).one()
             crashed = r.status == Status.CRASHED  # at shutdown: ends its tick as a failure
-            kept_up = not crashed and (
-                r.next_due is None or (finished is not None and finished <= r.next_due)
+            # No tick skipped behind it either (a replica ahead may skip one before it is due).
+            kept_up = (
+                not crashed
+                and row.consecutive_skips == 0
+                and (r.next_due is None or (finished is not None and finished <= r.next_due))
             )
             failed = r.status in (Status.FAILED, Status.CRASHED)
             failures = row.consecutive_failures + 1 if failed else 0

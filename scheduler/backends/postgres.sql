@@ -894,8 +894,11 @@ BEGIN
                fail_alerted = CASE d.status
                    WHEN 'failed' THEN l.fail_alerted OR l.consecutive_failures + 1 >= d.threshold
                    WHEN 'succeeded' THEN false ELSE l.fail_alerted END,
-               skip_alerted = l.skip_alerted AND NOT d.kept_up,
-               overrun_skips = CASE WHEN d.kept_up THEN 0 ELSE l.overrun_skips END
+               -- A run kept up only if no tick was skipped behind it (a replica whose
+               -- clock is ahead may skip its next tick before that tick is due).
+               skip_alerted = l.skip_alerted AND NOT (d.kept_up AND l.consecutive_skips = 0),
+               overrun_skips = CASE WHEN d.kept_up AND l.consecutive_skips = 0 THEN 0
+                                    ELSE l.overrun_skips END
           FROM locked l JOIN d ON d.key = l.job_key
          WHERE j.job_key = l.job_key
         RETURNING j.job_key, d.tick, d.status, d.crashed, d.threshold, d.run_id, d.error,
@@ -904,7 +907,7 @@ BEGIN
                   l.consecutive_failures AS failures_before,
                   d.status = 'failed' AND NOT l.fail_alerted AND j.fail_alerted AS fail_alert,
                   d.status = 'succeeded' AND l.fail_alerted AS fail_recovered,
-                  d.kept_up AND l.skip_alerted AS skips_recovered,
+                  d.kept_up AND l.consecutive_skips = 0 AND l.skip_alerted AS skips_recovered,
                   l.overrun_skips
     ), notices AS (
         INSERT INTO scheduler_notices

@@ -7,15 +7,20 @@ every step. Each raises Violation with what it saw.
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from scheduler import ledger
 from scheduler.config.schedules import _ticks
 from scheduler.observers import alerts
+from scheduler.observers.notices import GIVE_UP_AFTER
+from tests.simulation.outbox import outbox_clock
 from tests.simulation.sweeps import missed_bound
+
+FAIL_THRESHOLD = 3  # every simulated job's fail_alert_after (tests/simulation/jobs.py)
 
 if TYPE_CHECKING:
     from scheduler.registry.catalog import CatalogJob
@@ -152,10 +157,7 @@ def locks_follow_runs(world: World) -> None:
 def streaks_recount(world: World) -> None:
     """Skips (guarantee 7): each job's skip streak is what its claims add up to (a skip
     grows it, a run ends it), and a streak at its threshold has raised its alert."""
-    j = ledger.jobs
-    with world.site.engine.connect() as conn:
-        rows = conn.execute(select(j.c.job_key, j.c.consecutive_skips, j.c.skip_alerted)).all()
-    for key, streak, alerted in rows:
+    for key, streak, alerted, _, _ in _ledger(world)[0]:
         expected = world.streaks.get(key, 0)
         if streak != expected:
             raise Violation(
@@ -173,14 +175,7 @@ def streaks_recount(world: World) -> None:
 def one_alert_per_streak(world: World) -> None:
     """Skips (guarantee 7): exactly one alert for the fleet per streak of skipped ticks that
     reached the threshold in force (never two for one streak, whoever claimed its ticks)."""
-    n = ledger.notices
-    query = (
-        select(n.c.job_key, func.count())
-        .where(n.c.event == alerts.SKIPS_EXCEEDED)
-        .group_by(n.c.job_key)
-    )
-    with world.site.engine.connect() as conn:
-        raised = {key: count for key, count in conn.execute(query)}
+    raised = Counter(key for _, event, key, _ in _outbox(world) if event == alerts.SKIPS_EXCEEDED)
     for key, count in raised.items():
         if count > world.reached.get(key, 0):
             raise Violation(
@@ -190,7 +185,115 @@ def one_alert_per_streak(world: World) -> None:
             )
 
 
-AFTER_STEP = (locks_follow_runs, streaks_recount, one_alert_per_streak)
+# Each alert and the recovery that ends it, by kind of streak.
+PAIRS = {
+    alerts.SKIPS_EXCEEDED: alerts.RECOVERED,
+    alerts.FAILURES_EXCEEDED: alerts.FAILURES_RECOVERED,
+}
+# What each flag of the gate's events announces (TickSkipped.alert, RunFinished's flags).
+FLAGGED = {
+    "alert": alerts.SKIPS_EXCEEDED,
+    "failures_alert": alerts.FAILURES_EXCEEDED,
+    "failures_recovered": alerts.FAILURES_RECOVERED,
+    "skips_recovered": alerts.RECOVERED,
+}
+
+
+Jobs = list[tuple[int, int, bool, bool, int]]
+Outbox = list[tuple[int, str, int, str | None]]
+
+
+def _ledger(world: World) -> tuple[Jobs, Outbox]:
+    """The jobs' streaks (key, skips, skip alerted, failure alerted, failures) and the
+    outbox's rows (id, event, job, outcome): read once per step for every rule."""
+    if world.ledger_read[0] != world.played:
+        j, n = ledger.jobs, ledger.notices
+        streaks = select(
+            j.c.job_key, j.c.consecutive_skips, j.c.skip_alerted, j.c.fail_alerted,
+            j.c.consecutive_failures,
+        )  # fmt: skip
+        outbox = select(n.c.id, n.c.event, n.c.job_key, n.c.outcome).order_by(n.c.id)
+        with world.site.engine.connect() as conn:
+            jobs = [(k, s, bool(a), bool(f), c) for k, s, a, f, c in conn.execute(streaks)]
+            rows = [(i, e, k, o) for i, e, k, o in conn.execute(outbox)]
+        world.ledger_read = (world.played, (jobs, rows))
+    return world.ledger_read[1]
+
+
+def _outbox(world: World) -> Outbox:
+    return _ledger(world)[1]
+
+
+def alert_then_recovery(world: World) -> None:
+    """Skips and failures (guarantee 7; docs/operating.md, alerts): one alert per streak
+    that reached its threshold in force, and one recovery when the job keeps up (skips) or
+    succeeds (failures) again: each job's alerts and recoveries alternate in the outbox,
+    alert first, and an alert is open exactly while the ledger says the job is alerting
+    (a failure streak at its threshold is). Every flag the gates said (an event's `alert`,
+    `failures_recovered`, ...) is a notice of that event in the outbox, and every notice an
+    event carried is one it flagged."""
+    outbox = _outbox(world)
+    by_id = {row[0]: row for row in outbox}
+    rows = _ledger(world)[0]
+    states = {key: (skips, failures) for key, _, skips, failures, _ in rows}
+    streaks = {key: streak for key, _, _, _, streak in rows}
+    for alert, recovery in PAIRS.items():
+        open_now: dict[int, bool] = {}
+        for ident, event, key, _ in outbox:
+            if event not in (alert, recovery):
+                continue
+            was = open_now.get(key, False)
+            if was == (event == alert):
+                raise Violation(
+                    "alert_then_recovery",
+                    f"job {key}: notice {ident} {event} while its alert was "
+                    f"{'open' if was else 'not open'}",
+                )
+            open_now[key] = not was
+        flag = 0 if alert == alerts.SKIPS_EXCEEDED else 1
+        for key, state in states.items():
+            if bool(state[flag]) != open_now.get(key, False):
+                raise Violation(
+                    "alert_then_recovery",
+                    f"job {key}: the ledger says alerting={bool(state[flag])} for {alert}, "
+                    f"the outbox has {'an' if open_now.get(key) else 'no'} open alert",
+                )
+    for key, failures in streaks.items():
+        if failures >= FAIL_THRESHOLD and not states[key][1]:
+            raise Violation(
+                "alert_then_recovery",
+                f"job {key}: {failures} failures in a row, threshold {FAIL_THRESHOLD}, no alert",
+            )
+    for what, key, ids, flags in world.heard[world.heard_checked :]:
+        said = sorted(FLAGGED[flag] for flag, up in flags.items() if up)
+        found = sorted(by_id[i][1] for i in ids if i in by_id and by_id[i][2] == key)
+        if said != found or len(found) != len(ids):
+            raise Violation(
+                "alert_then_recovery",
+                f"job {key}: the gate said {what} with {said}, carrying notices {list(ids)} "
+                f"which are {found} in the outbox",
+            )
+    world.heard_checked = len(world.heard)
+
+
+def delivered_was_received(world: World) -> None:
+    """A notice the outbox marks delivered was taken by the receiver (no notice lost by
+    marking it done before its POST was answered)."""
+    for ident, event, key, outcome in _outbox(world):
+        if outcome == "delivered" and not world.receiver.delivered[ident]:
+            raise Violation(
+                "every_notice_delivered",
+                f"job {key}: notice {ident} {event} marked delivered, never received",
+            )
+
+
+AFTER_STEP = (
+    locks_follow_runs,
+    streaks_recount,
+    one_alert_per_streak,
+    alert_then_recovery,
+    delivered_was_received,
+)
 
 
 # -- once the fleet has settled and a sweep has run -------------------------------------
@@ -260,4 +363,26 @@ def _was_due(held: list[InForce], tick: datetime) -> bool:
     return bool(in_force) and all(h.contains(tick) for h in in_force)
 
 
-AT_REST = (every_tick_explained,)
+def every_notice_delivered(world: World) -> None:
+    """Notices (docs/guarantees.md; docs/operating.md, alerts and notices): every notice
+    written to the outbox is delivered at least once by some live replica, whoever raised
+    it, however many of its attempts failed, whichever replica died holding its lease; it
+    is given up only 15 minutes after it was raised."""
+    n = ledger.notices
+    query = select(n.c.id, n.c.event, n.c.job_key, n.c.outcome, n.c.raised_at).order_by(n.c.id)
+    with world.site.engine.connect() as conn:
+        rows = conn.execute(query).all()
+    now = outbox_clock(lambda: world.outbox_ahead)()
+    for ident, event, key, outcome, raised_at in rows:
+        if outcome == "given_up" and now - raised_at > GIVE_UP_AFTER:
+            continue
+        if outcome != "delivered" or not world.receiver.delivered[ident]:
+            raise Violation(
+                "every_notice_delivered",
+                f"job {key}: notice {ident} {event} raised at {raised_at:%H:%M:%S} is "
+                f"{outcome or 'not done'}, received {world.receiver.delivered[ident]} time(s) "
+                f"in {world.receiver.attempts[ident]} attempt(s)",
+            )
+
+
+AT_REST = (every_tick_explained, every_notice_delivered)

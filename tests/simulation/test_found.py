@@ -84,3 +84,29 @@ def test_a_sweep_by_a_replica_without_a_job_leaves_that_jobs_missed_ticks(kind, 
     ]
     played = play(kind, pg_server, 1, steps)
     assert played.violation is None, played.violation
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "embedded"])
+def test_a_run_with_a_tick_skipped_behind_it_did_not_keep_up(kind, pg_server):
+    """A replica whose clock jumped ahead skipped `night`'s next tick before it was due, and
+    the run then ended before that tick: the finish judged it kept up by the clock alone, so
+    it sent a recovery and ended the overrun's alert while the streak it alerted for went on
+    (the next skip would alert again for the same streak). Seed 1 found it once finishes
+    were judged on the world's time (recoveries had never come about before)."""
+    steps = [
+        Step("fault_call", 14146, 21456, 51544),
+        Step("fault_call", 1612, 26151, 30431),
+        Step("fault_call", 45065, 46304, 60179),
+        Step("clock_jump", 36857, 32710, 35211),
+        Step("tick", 24197, 45144, 38048),
+        Step("tick", 20922, 33451, 22039),
+        Step("fault_call", 38599, 59598, 42205),
+        Step("fault_call", 14967, 3097, 40895),
+        Step("step_all", 52076, 19197, 4630),
+        Step("fault_call", 28914, 59093, 29254),
+        Step("fault_call", 4023, 51760, 42106),
+        Step("fault_call", 55875, 7705, 39138),
+        Step("step_all", 27804, 6218, 40158),
+    ]
+    played = play(kind, pg_server, 1, steps)
+    assert played.violation is None, played.violation

@@ -31,6 +31,7 @@ from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules, sweeps
 from tests.simulation.faults import Faulty
+from tests.simulation.outbox import Heard, Receiver, SimNotices, outbox_clock
 from tests.simulation.rules import Violation
 from tests.simulation.sites import HOLDER_TIMEOUT
 from tests.simulation.steps import ARMED, CALL_FAULTS, Step
@@ -124,6 +125,7 @@ class Replica:
     frozen_until: float = 0.0
     killed_while_frozen: bool = False
     in_force: list[InForce] = field(default_factory=list)  # its registrations
+    notices: SimNotices | None = None  # its deliverer of the outbox
 
     def frozen(self, now: float) -> bool:
         return self.frozen_since is not None and now < self.frozen_until
@@ -154,6 +156,14 @@ class World:
     restarts: int = 0
     log: list[str] = field(default_factory=list)  # what happened, for a failure's report
     reference: Reference = field(init=False)
+    # The outbox: the webhook every replica POSTs to, and what the gates said of alerts
+    # (event, job key, notice ids, flags), the rules' part read after each step.
+    receiver: Receiver = field(default_factory=Receiver)
+    heard: list[tuple[str, int, tuple[int, ...], dict[str, Any]]] = field(default_factory=list)
+    heard_checked: int = 0
+    outbox_ahead: float = 0.0  # seconds the outbox's clock is ahead of the database's
+    played: int = 0  # steps played (and settle's rounds): what the rules read once per step
+    ledger_read: tuple[int, Any] = (-1, None)  # rules.py's read of the streaks and outbox
 
     # What each job's replicas registered, as the world saw it (the rule's own record),
     # and as the ledger's registrations (what catch-up plans from).
@@ -206,19 +216,29 @@ class World:
             observe=self._observe,
             say=lambda text: self.say(text),
             touch=self._touch,
+            ahead=lambda: datetime.now(UTC) - self.now(),
         )
         replica_clock = lambda: self.now() + holder[0].skew  # noqa: E731
+        notices = SimNotices(
+            real.ledger_engine,
+            real.instance,
+            self.receiver,
+            outbox_clock(lambda: self.outbox_ahead),
+            self.monotonic,
+        )
         gate = Gate(
             proxy,  # type: ignore[arg-type]
             instance=real.instance,
             max_workers=MAX_WORKERS,
             holder_timeout=HOLDER_TIMEOUT,
+            listeners=(notices, Heard(self.heard)),
             clock=replica_clock,
             monotonic=self.monotonic,
             desk=Desk(catalog),
             workers=SimPool(lambda run: self._started(holder[0], run)),
         )
         replica = Replica(name, proxy, gate, catalog, fired=self.now() + skew, skew=skew)
+        replica.notices = notices
         replica.in_force = self._register(real.instance, catalog, self.now(), None)
         holder.append(replica)
         return replica
@@ -304,13 +324,21 @@ class World:
 
     def play(self, step: Step) -> None:
         self.say(str(step))
+        self.played += 1
         self.touched = step.action not in QUIET
         getattr(self, f"_{step.action}")(step)
+        self.deliver()
         if not self.touched:
             return
         for rule in rules.AFTER_STEP:
             self.checked += 1
             rule(self)
+
+    def deliver(self) -> None:
+        """Each replica not frozen delivers what is due (its thread, had it run meanwhile)."""
+        for replica in self.replicas:
+            if replica.notices is not None and not replica.frozen(self.t):
+                replica.notices.pump()
 
     def _replica(self, index: int) -> Replica:
         return self.replicas[index % len(self.replicas)]
@@ -471,6 +499,8 @@ class World:
         for sim in self.live_runs():
             if sim.replica is replica:
                 sim.ended = True
+        replica.notices = None  # what it had not delivered waits for its leases to run out
+        self.outbox_ahead += ledger.NOTICE_LEASE.total_seconds() + 1
 
     def _reload(self, step: Step) -> None:
         """A changed config.yaml (one job's skip_alert_after), reloaded by one replica, or by
@@ -579,6 +609,8 @@ class World:
             return
         if "missed" in done:
             self.swept.append((self.sweep_now(), self._live_jobs(replica)))
+        if replica.notices is not None:  # on the outbox's clock: see outbox.py
+            done["notices"] = replica.notices.adopt_now()
         self.say(f"{replica.name} sweep: {done}")
 
     def _live_jobs(self, sweeper: Replica) -> frozenset[int]:
@@ -612,9 +644,24 @@ class World:
             self.sweep(replica)
             if len(self.swept) > whole:
                 break
+        self.settle_outbox()
+        self.played += 1
         for rule in rules.AT_REST:
             self.checked += 1
             rule(self)
+
+    def settle_outbox(self) -> None:
+        """Leases run out, a replica's housekeeping adopts what nobody delivers, retries fall
+        due: until the outbox has nothing left to deliver (a few rounds at most)."""
+        for _ in range(6):
+            self.outbox_ahead += ledger.NOTICE_LEASE.total_seconds() + 1
+            for replica in self.replicas:
+                assert replica.notices is not None
+                replica.notices.adopt_now()
+                for _ in range(4):  # retries 1, 2, 4 s apart
+                    replica.notices.pump()
+                    self.t += 5
+                replica.notices.pump()
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -1,0 +1,2 @@
+-- Functions only: scheduler_finish_streaks counts a run kept up only if no tick of its job
+-- was skipped behind it (consecutive_skips = 0). No table changed.
