@@ -10,8 +10,8 @@ Events (the `event` field of the webhook body):
 
 - ``job.skips_exceeded``: `skip_alert_after` consecutive ticks of a job found
   its previous run still going: the job is overrunning its schedule.
-- ``job.recovered``: a run of the job ended before its next tick was due: it
-  keeps up again.
+- ``job.recovered``: a run of the job ended before its next tick was due, and
+  no tick was skipped behind it: it keeps up again.
 - ``job.failures_exceeded``: `fail_alert_after` consecutive runs of a job failed.
 - ``job.failures_recovered``: the job succeeded again after such a streak.
 - ``job.paused`` / ``job.resumed``: someone paused the job for the whole fleet
