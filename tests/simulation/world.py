@@ -653,7 +653,11 @@ class World:
     def settle_outbox(self) -> None:
         """Leases run out, a replica's housekeeping adopts what nobody delivers, retries fall
         due: until the outbox has nothing left to deliver (a few rounds at most)."""
+        n = ledger.notices
         for _ in range(6):
+            with self.site.engine.connect() as conn:
+                if not conn.execute(select(n.c.id).where(n.c.done_at.is_(None)).limit(1)).first():
+                    return
             self.outbox_ahead += ledger.NOTICE_LEASE.total_seconds() + 1
             for replica in self.replicas:
                 assert replica.notices is not None
