@@ -17,8 +17,8 @@ backend, does each step in order (`Gate.step`):
   failed call that may have taken locks.
 
 The helpers answer; the dispatcher acts: a claim returns the runs it won and
-the dispatcher starts them (`table.py` hands them to worker threads, where
-each runs to its ending; `runs.py`, `scheduler.gate.workers`). The backends
+the dispatcher starts them (the run table of `runs.py` hands them to worker
+threads, `scheduler.gate.workers`, where each runs to its ending). The backends
 implement the steps under the names used here (PostgreSQL:
 `backends/postgres.sql`; one host: `backends/embedded.py`). Time is passed in
 (`clock`, `monotonic`), so this logic can be driven in tests without sleeping.
@@ -42,12 +42,10 @@ from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
 from scheduler.errors import one_line
 from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
-from scheduler.gate.manual import ManualTicks, RequestDesk, outcome
 from scheduler.gate.retries import RetryLook
-from scheduler.gate.runs import ManualResult, Run
+from scheduler.gate.runs import ManualResult, Pool, Run, Running, RunTable
 from scheduler.gate.session import Backoff, LockSession
-from scheduler.gate.table import Pool, RunTable
-from scheduler.gate.ticks import Running, TickQueue
+from scheduler.gate.ticks import ManualTicks, RequestDesk, TickQueue, outcome
 from scheduler.gate.workers import Workers
 from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob
@@ -139,7 +137,7 @@ class Gate:
             instance=instance,
             max_workers=max_workers,
             workers=workers or Workers(max_workers),  # a simulation hands runs out itself
-            finishes=self.finishes,
+            ended=self.finishes.ended,
             emit=self.emit,
             clock=clock,
             monotonic=monotonic,

@@ -28,9 +28,9 @@ from scheduler.backends.base import (
     SessionLost,
 )
 from scheduler.errors import one_line
-from scheduler.gate.runs import ManualResult, Won
+from scheduler.gate.runs import ManualResult, Running, Won
 from scheduler.gate.session import LockSession
-from scheduler.gate.ticks import Batch, Running, TickQueue
+from scheduler.gate.ticks import Batch, TickQueue
 from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob
 

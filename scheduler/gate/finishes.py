@@ -158,7 +158,7 @@ class Finishes:
         ending = run.ended
         assert ending is not None
         job = run.job
-        error = storable(ending.error) if placeholder is None else placeholder
+        error = placeholder if placeholder is not None else ending.error and storable(ending.error)
         return FinishRequest(
             key=job.key,
             scheduled_at=run.ctx.scheduled_at,
