@@ -268,6 +268,10 @@ class PostgresBackend:
                 " set_config('tcp_user_timeout', %s, false),"
                 " set_config('search_path', %s, false),"
                 " set_config('TimeZone', 'UTC', false),"
+                # Never compiled: the gate's statements are short, and a plan costed over a
+                # guessed number of rows (unnest, a set-returning function) can cross
+                # jit_above_cost and spend a second compiling, on the claim's path.
+                " set_config('jit', 'off', false),"
                 " pg_advisory_lock_shared(%s, %s)",
                 (
                     *session_timeouts(self.holder_timeout),

@@ -610,7 +610,11 @@ CREATE FUNCTION scheduler_claim(
     started_at timestamptz, holder text, holder_since timestamptz, streak integer,
     alert boolean, notice bigint, crashed integer, live integer, rank integer,
     db_now timestamptz, deferred_after timestamptz, deferred_key integer
-) LANGUAGE plpgsql AS $$
+) LANGUAGE plpgsql
+-- The answer's plan is costed over a set-returning function's guessed rows: never worth
+-- compiling (JIT would make every claim of an older replica a second late, and lose).
+SET jit = off
+AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
@@ -760,7 +764,9 @@ CREATE FUNCTION scheduler_claim_retries(
 ) RETURNS TABLE (
     job_key integer, scheduled_at timestamptz, run_id bigint, started_at timestamptz,
     attempt integer, crashed integer, next_in double precision
-) LANGUAGE plpgsql AS $$
+) LANGUAGE plpgsql
+SET jit = off  -- as scheduler_claim's answer: a plan over a guessed set, never compiled
+AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY

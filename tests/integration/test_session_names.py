@@ -57,3 +57,17 @@ def test_check_reaches_each_host_of_a_url_that_sets_connect_timeout_and_applicat
     assert len(nodes) == 2, checks
     assert nodes[0].ok and "is the primary" in nodes[0].detail
     assert not nodes[1].ok and dead in nodes[1].detail
+
+
+def test_the_lock_session_never_compiles_a_plan(database_url):
+    """JIT on the claim's path cost a second per claim whose plan was costed over a guessed
+    number of rows; the lock session turns it off whatever the server's setting."""
+    backend = PostgresBackend(database_url, instance="no-jit", namespace=4748, holder_timeout=30)
+    try:
+        backend.migrate()
+        backend.connect()
+        assert backend._conn is not None
+        row = backend._conn.execute(text("SHOW jit")).fetchone()
+        assert row is not None and row[0] == "off"
+    finally:
+        backend.close()

@@ -1,0 +1,3 @@
+-- Functions only: the answers kept for replicas of earlier versions (scheduler_claim,
+-- scheduler_claim_retries) run with jit = off, as scheduler_decide does: compiling their
+-- plan made every claim of an older replica late, so it lost every tick in a rolling deploy.

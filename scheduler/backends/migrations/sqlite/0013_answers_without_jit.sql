@@ -1,0 +1,1 @@
+-- Nothing changes here: PostgreSQL's answers for earlier versions run without JIT (0013 there).
