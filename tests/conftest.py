@@ -8,13 +8,11 @@ a fresh machine with PostgreSQL installed but not running.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import subprocess
 import tempfile
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,19 +25,6 @@ from tests.support import SERVER_URL_ENV, FakeMonotonic, Recorder, with_database
 
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 SLOWEST_FIRST = ("tests/fleet/", "tests/simulation/", "tests/integration/", "tests/unit/")
-
-
-@pytest.fixture(autouse=True)
-def closes_its_connections() -> Iterator[None]:
-    """A PostgreSQL connection a test leaves open fails that test, not a later one that
-    happens to collect it: every connection is closed, by `with` or by its engine."""
-    yield
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
-        gc.collect()
-    leaked = [str(w.message) for w in caught if "was deleted while still open" in str(w.message)]
-    if leaked:
-        pytest.fail(f"{len(leaked)} PostgreSQL connection(s) left open: {leaked[0]}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

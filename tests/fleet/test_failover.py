@@ -195,7 +195,10 @@ def _fresh_run(fleet: Fleet, job: str, within_s: float = 1.0) -> dict[str, Any]:
 
 
 def _end_of(fleet: Fleet, start: dict[str, Any]) -> dict[str, Any] | None:
-    ends = [e for e in fleet.ends() if e["run_id"] == start["run_id"]]
+    """The end of that run: by job, tick, replica and run_id, as a run_id of the lost WAL
+    may be handed out again on the new primary (asynchronous replication)."""
+    same = ("job", "tick", "instance", "run_id")
+    ends = [e for e in fleet.ends() if all(e[k] == start[k] for k in same)]
     return ends[0] if ends else None
 
 

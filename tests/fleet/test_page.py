@@ -165,15 +165,31 @@ def settled(check: Callable[[], Any], what: str) -> Any:
     return wait_for(attempt, WAIT, what, every=0.3)
 
 
+def _gone(element: Any) -> Any:
+    """The page the element was on has been left. Chromium may say so as a stale element,
+    or as an element whose node "does not belong to the document" while the next loads."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+
+    def check(_driver: Any) -> bool:
+        try:
+            element.is_enabled()
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as exc:
+            return "does not belong to the document" in str(exc)
+        return False
+
+    return check
+
+
 def click(driver: Any, selector: str, then: str) -> None:
     """Click, and wait for the next page: the old one is gone and `then` is on the new one."""
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.wait import WebDriverWait
 
     old = css(driver, "html")[0]
     css(driver, selector)[0].click()
     wait = WebDriverWait(driver, WAIT)
-    wait.until(expected_conditions.staleness_of(old))
+    wait.until(_gone(old))
     try:
         settled(lambda: css(driver, then), f"{then} after clicking {selector}")
     except AssertionError as exc:
