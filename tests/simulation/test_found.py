@@ -47,6 +47,9 @@ def test_a_claim_that_records_a_skip_is_not_compiled(pg_server):
     try:
         backend.connect()
         driver = backend._conn.connection.driver_connection
+        # The lock session turns JIT off; here it is on, so that the functions' own
+        # `jit = off` is what is tested (pg_jit_available is false while jit is off).
+        driver.execute("SET jit = on")
         if not driver.execute("SELECT pg_jit_available()").fetchone()[0]:
             pytest.skip("this server has no JIT")
         plans: list[str] = []
