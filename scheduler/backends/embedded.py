@@ -352,7 +352,7 @@ class EmbeddedBackend:
     def release_strays(self, expected: Collection[int]) -> list[int]:
         strays = sorted(self.locks.held_keys() - set(expected))
         for key in strays:
-            self.locks.unlock(key)
+            self.locks.give_back(key)
         return strays
 
     # -- the claim and the finish: the steps of postgres.sql (see embedded_steps.py) -----
@@ -380,7 +380,7 @@ class EmbeddedBackend:
                 yield steps
         except BaseException:
             for key in steps.taken:  # the rows were rolled back; so are the locks
-                self.locks.unlock(key)
+                self.locks.give_back(key)
             raise
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
@@ -392,7 +392,7 @@ class EmbeddedBackend:
             streaks = steps.finish_streaks(done)
         for r in requests:  # after the commit: whoever locks next sees the final rows
             if r.unlock:
-                self.locks.unlock(r.key)
+                self.locks.give_back(r.key)
         return [d.result(streaks.get(d.request.key)) for d in done]
 
     @contextlib.contextmanager

@@ -315,7 +315,7 @@ class _Decide(_Shared):
                     tick = replace(tick, run_id=run_id, started_at=started)
                 else:
                     if r.key in self.taken and r.intent in (Intent.MANUAL, Intent.CATCH_UP):
-                        self.locks.unlock(r.key)
+                        self.locks.give_back(r.key)
                         self.taken.remove(r.key)
                     tick = replace(tick, fate=Outcome.LOST)
             out.append(tick)

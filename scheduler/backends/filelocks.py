@@ -156,14 +156,28 @@ class FileLocks:
         if not holders:
             return True
         if held.prior is not None and held.prior.instance in holders:
-            return not held.prior.alive()
+            return held.prior.released or not held.prior.alive()
         return held.age >= SETTLE_S
 
     def unlock(self, key: int) -> None:
+        """Let the lock go, the file still naming its holder: a run under it may go on."""
         with self._guard:
             held = self._held.pop(key, None)
             if held is not None:
                 _release(held.fd)
+
+    def give_back(self, key: int) -> None:
+        """Let the lock go saying so in its file: nothing of the job runs here, so a row
+        that names this replica as running the job is over (`proves_over`). Every path
+        that lets a lock go on purpose comes here; `unlock` says nothing (a lock taken but not
+        kept, or let go at shutdown with runs still going)."""
+        with self._guard:
+            held = self._held.get(key)
+            if held is None:
+                return
+            with contextlib.suppress(OSError):  # unsaid, the lock only proves less
+                _write(held.fd, self._holder().encode(released=True))
+            self.unlock(key)
 
     def vacant(self, key: int, runs_of: Iterable[str]) -> bool:
         """Probe for the crash sweep (inside its write transaction): the lock is free and

@@ -23,6 +23,9 @@ class Holder:
     start: str  # the process's start time (/proc/<pid>/stat): a reused pid is another process
     pidns: int  # its pid namespace: another namespace's pid means nothing here
     token: str  # the FileLocks session within that process
+    # It gave the lock back on purpose, running nothing of the job: whatever `running`
+    # row names it is a run that never went on (a claim whose reply was lost).
+    released: bool = False
 
     def encode(self, **extra: object) -> bytes:
         fields = {
@@ -45,6 +48,7 @@ class Holder:
                 str(found["start"]),
                 int(found["pidns"]),
                 str(found["token"]),
+                found.get("released") is True,
             )
         except (ValueError, KeyError, TypeError):
             return None

@@ -97,10 +97,20 @@ class Faulty:
         self._observe = observe  # what a call committed: (name, args, result)
         # (fault, point, the call it waits for: None for whichever comes first)
         self.armed: tuple[str, int, str | None] | None = None
+        # A comparable play (twins.py): no killed session, faults inside a statement raised
+        # at the call's edge, so both backends meet the same faults at the same calls.
+        self.comparable = False
         self.pid: int | None = None  # PostgreSQL: the lock session's backend
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+    @property
+    def needs_watchdog(self) -> bool:
+        """PostgreSQL's lock session is given up after holder_timeout without a round trip
+        (the server ends it); the embedded backend's kernel locks live with the process.
+        A comparable play has no such watch on either (see twins.py)."""
+        return False if self.comparable else bool(self._real.needs_watchdog)
 
     def connect(self) -> None:
         self._touch()
@@ -137,11 +147,20 @@ class Faulty:
         self._touch()
         method = getattr(self._real, name)
         armed = self.armed
-        if armed is None or armed[2] not in (None, name):
+        # PostgreSQL looks for run-now requests when notified (and once on connecting),
+        # the embedded backend by a peek that is no call: a comparable play keeps its
+        # faults for the calls both make.
+        aside = self.comparable and name == "take_requests"
+        if armed is None or armed[2] not in (None, name) or aside:
             return self._observed(name, args, method(*args))
         self.armed = None
         fault, point, _ = armed
+        if self.comparable and fault == "killed_session":
+            return self._observed(name, args, method(*args))
         self._say(f"{self._real.instance} {name} meets {fault} ({point})")
+        if self.comparable and fault in PG_CODES:
+            self._fired(fault)
+            raise injected(f"{fault} before the statement")
         if fault in ("killed_session", "lost"):
             if fault == "killed_session":
                 self._fired(fault)

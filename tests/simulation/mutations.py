@@ -3,7 +3,8 @@ once had; the simulation must catch every one.
 
 Run as `.venv/bin/python tests/simulation/mutations.py`: each patch is applied to a
 copy of the tree, and the seeds of the default budget (or of SIM_SEEDS and SIM_STEPS)
-are played there, both backends, until a rule breaks. Prints the seed and the rule
+are played there, both backends, and each seed's first steps compared on both (as the
+test does), until a rule breaks or the ledgers differ. Prints the seed and the rule
 that caught each, and `mutations killed: K/N`.
 """
 
@@ -27,17 +28,22 @@ SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 def play_here(seeds: int, steps: int) -> int:
     """In the mutated copy: play seeds until one breaks a rule; print it, exit 1."""
-    from tests.simulation.play import budget, play
+    from tests.simulation.play import budget, compare, play, twin_steps
     from tests.simulation.steps import draw
 
     first, _ = budget()
     server = os.environ.get("SCHEDULER_TEST_DATABASE_URL", SERVER)
+    os.environ.setdefault("SIM_SHRINK_SECONDS", "0")  # the seed and the rule are enough here
     for seed in first[:seeds]:
         for kind in ("embedded", "postgresql"):
             played = play(kind, server, seed, draw(seed, steps))
             if played.violation is not None:
                 print(f"killed by seed {seed} on {kind}: {played.violation}")
                 return 1
+        _, failure = compare(server, seed, twin_steps())
+        if failure is not None:
+            print(f"killed by seed {seed} compared: {failure.splitlines()[0][:200]}")
+            return 1
     print(f"survived {seeds} seeds x {steps} steps")
     return 0
 

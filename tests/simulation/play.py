@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tests.simulation import jobs
+from tests.simulation import jobs, twins
 from tests.simulation.rules import Violation
 from tests.simulation.sites import EmbeddedSite, PgSite
 from tests.simulation.steps import Step, draw
@@ -20,6 +20,7 @@ from tests.simulation.world import REPLICAS, World
 
 DEFAULT_SEEDS = 6
 DEFAULT_STEPS = 500
+DEFAULT_TWIN_STEPS = 200  # the first steps of each seed, played comparably on both backends
 FIRST_SEED = 1
 
 
@@ -31,6 +32,10 @@ def budget() -> tuple[list[int], int]:
     return list(range(first, first + seeds)), steps
 
 
+def twin_steps() -> int:
+    return int(os.environ.get("SIM_TWIN_STEPS", DEFAULT_TWIN_STEPS))
+
+
 @dataclass
 class Played:
     violation: Violation | None
@@ -39,6 +44,7 @@ class Played:
     checked: int = 0
     step_errors: int = 0
     log: list[str] = field(default_factory=list)
+    ledger: twins.Rows | None = None  # a comparable play's settled ledger
 
 
 def open_site(kind: str, server: str | None) -> PgSite | EmbeddedSite:
@@ -48,11 +54,13 @@ def open_site(kind: str, server: str | None) -> PgSite | EmbeddedSite:
     return EmbeddedSite()
 
 
-def play(kind: str, server: str | None, seed: int, steps: list[Step]) -> Played:
+def play(
+    kind: str, server: str | None, seed: int, steps: list[Step], comparable: bool = False
+) -> Played:
     """A fresh ledger, three replicas; every step played, then the fleet settles."""
     site = open_site(kind, server)
     start = jobs.AUTUMN if seed % 2 else jobs.SPRING
-    world = World(site, start)
+    world = World(site, start, comparable=comparable)
     quiet = logging.getLogger("scheduler")
     level, quiet.level = quiet.level, logging.CRITICAL  # faults make the gate say a lot
     index = 0
@@ -67,7 +75,10 @@ def play(kind: str, server: str | None, seed: int, steps: list[Step]) -> Played:
             world.settle()
         except Violation as found:
             violation = found
-        return Played(violation, index, world.faults, world.checked, world.step_errors, world.log)
+        settled = twins.rows(site.engine) if comparable and violation is None else None
+        return Played(
+            violation, index, world.faults, world.checked, world.step_errors, world.log, settled
+        )
     finally:
         quiet.level = level
         world.close()
@@ -110,4 +121,33 @@ def report(kind: str, server: str | None, seed: int, count: int) -> tuple[Played
         f"seed {seed} on {kind} ({count} steps): {played.violation}\n"
         f"replay: SIM_FIRST_SEED={seed} SIM_SEEDS=1 SIM_STEPS={count}\n"
         f"shortest trace found ({len(short)} of {played.at + 1} steps):\n  {trace}"
+    )
+
+
+def compare(server: str, seed: int, count: int) -> tuple[list[Played], str | None]:
+    """The seed's first steps played comparably on both backends (see twins.py): a rule
+    broken on either, or ledgers that differ, come back with the shortest trace found."""
+    steps = draw(seed, count)
+
+    def both(candidate: list[Step]) -> tuple[list[Played], str | None]:
+        played = [play(kind, server if kind == "postgresql" else None, seed, candidate, True)
+                  for kind in ("postgresql", "embedded")]  # fmt: skip
+        for kind, one in zip(("postgresql", "embedded"), played, strict=True):
+            if one.violation is not None:
+                return played, f"on {kind}: {one.violation}"
+        assert played[0].ledger is not None and played[1].ledger is not None
+        found = twins.differences(played[0].ledger, played[1].ledger)
+        return played, "the ledgers differ:\n    " + "\n    ".join(found) if found else None
+
+    played, failure = both(steps)
+    if failure is None:
+        return played, None
+    limit = float(os.environ.get("SIM_SHRINK_SECONDS", 60))
+    short = shrink(lambda c: both(c)[1] is not None, steps, time.monotonic() + limit)
+    trace = "\n  ".join(str(step) for step in short)
+    return played, (
+        f"seed {seed}, its first {count} steps on both backends: {failure}\n"
+        f"replay: SIM_FIRST_SEED={seed} SIM_SEEDS=1 SIM_TWIN_STEPS={count}\n"
+        f"shortest trace found ({len(short)} of {count} steps, its own failure may differ):"
+        f"\n  {both(short)[1]}\n  {trace}"
     )

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from tests.simulation import twins
 from tests.simulation.play import Played
 from tests.simulation.steps import FAULTS
 
-TOTALS: dict[str, Any] = {"seeds": 0, "steps": 0, "kinds": [], "faults": {}, "checked": 0}
+TOTALS: dict[str, Any] = {
+    "seeds": 0, "steps": 0, "kinds": [], "faults": {}, "checked": 0,
+    "twins": 0, "twin_steps": 0, "twin_rows": 0, "twin_differ": 0,
+}  # fmt: skip
 VIOLATIONS: list[int] = [0]
 CUT = "sweep_cut_short"  # not a fault of the budget's: a sweep step's own (world._sweep)
 
@@ -26,12 +30,22 @@ def add(kind: str, played: Played, steps: int) -> None:
     )
 
 
+def add_twins(played: list[Played], steps: int) -> None:
+    """A seed compared on both backends: its rows (of one ledger), and whether they differ."""
+    rows = [twins.count(p.ledger) for p in played if p.ledger is not None]
+    differ = len(rows) < 2 or twins.differences(played[0].ledger or {}, played[1].ledger or {})
+    merge({"twins": 1, "twin_steps": steps, "twin_rows": rows[0] if rows else 0,
+           "twin_differ": int(bool(differ)), "checked": sum(p.checked for p in played),
+           "violations": sum(p.violation is not None for p in played)})  # fmt: skip
+
+
 def merge(part: dict[str, Any]) -> None:
-    TOTALS["seeds"] += part["seeds"]
-    TOTALS["steps"] = max(TOTALS["steps"], part["steps"])
-    TOTALS["kinds"] = sorted(set(TOTALS["kinds"]) | set(part["kinds"]), reverse=True)
-    TOTALS["faults"] = dict(Counter(TOTALS["faults"]) + Counter(part["faults"]))
-    TOTALS["checked"] += part["checked"]
+    for name in ("seeds", "checked", "twins", "twin_rows", "twin_differ"):
+        TOTALS[name] += part.get(name, 0)
+    for name in ("steps", "twin_steps"):
+        TOTALS[name] = max(TOTALS[name], part.get(name, 0))
+    TOTALS["kinds"] = sorted(set(TOTALS["kinds"]) | set(part.get("kinds", [])), reverse=True)
+    TOTALS["faults"] = dict(Counter(TOTALS["faults"]) + Counter(part.get("faults", {})))
     VIOLATIONS[0] += part.get("violations", 0)
 
 
@@ -50,4 +64,10 @@ def line() -> str | None:
         f"faults injected: {faults}; sweeps cut short: {TOTALS['faults'].get(CUT, 0)}; "
         f"rules checked: {TOTALS['checked']}; "
         f"violations: {VIOLATIONS[0]}"
+        + (
+            f"; ledgers compared: {TOTALS['twins']} seeds x {TOTALS['twin_steps']} steps, "
+            f"{TOTALS['twin_rows']} rows, differing: {TOTALS['twin_differ']}"
+            if TOTALS["twins"]
+            else ""
+        )
     )

@@ -164,6 +164,7 @@ class World:
     outbox_ahead: float = 0.0  # seconds the outbox's clock is ahead of the database's
     played: int = 0  # steps played (and settle's rounds): what the rules read once per step
     ledger_read: tuple[int, Any] = (-1, None)  # rules.py's read of the streaks and outbox
+    comparable: bool = False  # the faults both backends meet alike only (see twins.py)
 
     # What each job's replicas registered, as the world saw it (the rule's own record),
     # and as the ledger's registrations (what catch-up plans from).
@@ -237,6 +238,7 @@ class World:
             desk=Desk(catalog),
             workers=SimPool(lambda run: self._started(holder[0], run)),
         )
+        proxy.comparable = self.comparable
         replica = Replica(name, proxy, gate, catalog, fired=self.now() + skew, skew=skew)
         replica.notices = notices
         replica.in_force = self._register(real.instance, catalog, self.now(), None)
@@ -352,7 +354,8 @@ class World:
             replica.gate.step()
         except Violation:
             raise
-        except Exception:
+        except Exception as exc:
+            self.say(f"{replica.name} step failed: {exc!r}"[:300])
             self.step_errors += 1
 
     def _tick(self, step: Step) -> None:
@@ -403,6 +406,9 @@ class World:
         live = [r for r in self.live_runs() if not r.replica.frozen(self.t)]
         if not live:
             return
+        # In an order of their own, not the order they started in: a backend answers a
+        # claim's ticks in an order of its own, and the step must mean the same on both.
+        live.sort(key=lambda r: (r.replica.name, r.key, r.scheduled_at, r.attempt))
         sim = live[step.a % len(live)]
         choice = step.b % 10
         if choice == 9:
@@ -440,7 +446,8 @@ class World:
         if replica.frozen_since is not None:
             return
         replica.frozen_since, replica.killed_while_frozen = self.t, False
-        replica.frozen_until = self.t + 5 + step.b % 60
+        longest = HOLDER_TIMEOUT - 6 if self.comparable else 60  # see twins.py
+        replica.frozen_until = self.t + 5 + step.b % int(longest)
         self.faults.update(["frozen_replica"])
 
     def _clock_jump(self, step: Step) -> None:
@@ -575,7 +582,9 @@ class World:
 
     def _database_restart(self, step: Step) -> None:
         """Every session ends at once; on the embedded backend, each replica's next call
-        finds its session lost."""
+        finds its session lost (not in a comparable play: see twins.py)."""
+        if self.comparable:
+            return
         if self.site.kind == "postgresql":
             self.site.restart()
             for sim in self.live_runs():

@@ -212,3 +212,31 @@ def test_a_replica_whose_descriptors_were_closed_writes_nothing_more_to_the_ledg
         claim(a, tick())
     assert a.exits == [EXIT_RESTART]
     assert statuses(b) == {}
+
+
+# -- 6. a lock given back on purpose ------------------------------------------------------
+
+
+def test_a_lock_given_back_after_a_lost_reply_lets_the_next_claim_run(replicas):
+    """A claim whose reply was lost leaves a `running` row that no run is behind, and its
+    replica gives the lock back (it runs nothing of the job). The next claim elsewhere must
+    run the job and mark that row crashed, as on PostgreSQL, not skip the job for as long
+    as the first replica lives (the file still named it)."""
+    a, b = replicas("a"), replicas("b")
+    first = claim(a, tick(10))
+    assert first.outcome is Outcome.RUN
+    assert a.release_strays(set()) == [KEY]
+
+    second = claim(b, tick(9))
+    assert (second.outcome, second.crashed) == (Outcome.RUN, 1)
+    assert statuses(b)[first.scheduled_at] == "crashed"
+
+
+def test_a_lock_let_go_without_being_given_back_still_proves_nothing(replicas):
+    """Only a replica's own give-back says its run is over: a lock released otherwise (the
+    job closed the descriptor, a claim that could not prove its lock) keeps the job held."""
+    a, b = replicas("a"), replicas("b")
+    first = claim(a, tick(10))
+    a.locks.unlock(KEY)  # released, but not given back: the run may go on
+    assert claim(b, tick(9)).outcome is Outcome.SKIPPED
+    assert statuses(b)[first.scheduled_at] == "running"
