@@ -155,14 +155,23 @@ def locks_follow_runs(world: World) -> None:
 
 
 def streaks_recount(world: World) -> None:
-    """Skips (guarantee 7): each job's skip streak is what its claims add up to (a skip
-    grows it, a run ends it), and a streak at its threshold has raised its alert."""
-    for key, streak, alerted, _, _ in _ledger(world)[0]:
+    """Skips and failures (guarantee 7): each job's skip streak is what its claims add up
+    to (a skip grows it, a run ends it), and a streak at its threshold has raised its
+    alert; each job's failure streak is what its ticks' ends add up to (a last attempt
+    failed or a run found crashed grows it, a success ends it)."""
+    for key, streak, alerted, _, failures in _ledger(world)[0]:
         expected = world.streaks.get(key, 0)
         if streak != expected:
             raise Violation(
                 "streaks_recount",
                 f"job {key}: the ledger's skip streak is {streak}, its claims add up to {expected}",
+            )
+        counted = world.failures.get(key, 0)
+        if failures != counted:
+            raise Violation(
+                "streaks_recount",
+                f"job {key}: the ledger's failure streak is {failures}, its finishes and the "
+                f"crashes found add up to {counted}",
             )
         threshold = world.thresholds.get(key)
         if threshold is not None and streak >= threshold and not alerted:

@@ -21,7 +21,16 @@ from typing import Any
 from sqlalchemy import select, update
 
 from scheduler import ledger
-from scheduler.backends.base import ClaimAnswer, ClaimRequest, ClaimResult, Intent, Outcome, Retries
+from scheduler.backends.base import (
+    ClaimAnswer,
+    ClaimRequest,
+    ClaimResult,
+    FinishRequest,
+    FinishResult,
+    Intent,
+    Outcome,
+    Retries,
+)
 from scheduler.config.schedules import _ticks, tick_after
 from scheduler.fleet import catch_up, pauses
 from scheduler.fleet.housekeeping import SWEEP_EVERY
@@ -142,6 +151,8 @@ class World:
     max_run_id: dict[int, int] = field(default_factory=dict)  # by job
     paused: set[int] = field(default_factory=set)
     streaks: dict[int, int] = field(default_factory=dict)  # skip streaks, from the claims
+    failures: dict[int, int] = field(default_factory=dict)  # failure streaks, from the calls
+    counted_ends: set[tuple[int, datetime, int | None]] = field(default_factory=set)
     thresholds: dict[int, int] = field(default_factory=dict)  # of each job's latest skip
     reached: dict[int, int] = field(default_factory=dict)  # streaks that reached it, by job
     alerted: set[int] = field(default_factory=set)  # jobs whose streak reached it
@@ -267,6 +278,11 @@ class World:
         if name == "claim":
             requests: list[ClaimRequest] = args[0]
             self._streaks(requests, result.every())
+            self._crashes(result.every())
+        if name == "claim_retries":
+            self._crashes(result.started)
+        if name == "finish":
+            self._failures(args[0], result)
         # A retry is a failed tick's next attempt: it changes no streak (see Retries in
         # docs/run-policies.md), whether it starts or ends.
 
@@ -293,6 +309,30 @@ class World:
             if key not in self.alerted and streak >= self.thresholds.get(key, streak + 1):
                 self.alerted.add(key)  # this streak reached its threshold: one alert
                 self.reached[key] = self.reached.get(key, 0) + 1
+
+    def _crashes(self, results: list[ClaimResult]) -> None:
+        """A run a claim found stale (its replica died or lost the lock) counts as failed."""
+        for result in results:
+            if result.outcome is Outcome.RUN and result.crashed:
+                self.failures[result.key] = self.failures.get(result.key, 0) + result.crashed
+
+    def _failures(self, requests: list[FinishRequest], results: list[FinishResult]) -> None:
+        """A tick's last attempt ends the failure streak (succeeded) or grows it (failed,
+        crashed); an attempt with another to come, an interruption, or a finish whose row
+        was no longer the run's (crashed meanwhile) change nothing."""
+        asked = {(r.key, r.scheduled_at): r for r in requests}
+        for result in results:
+            request = asked[(result.key, result.scheduled_at)]
+            if not result.recorded or request.retry_in_s is not None:
+                continue
+            once = (request.key, request.scheduled_at, request.run_id)
+            if once in self.counted_ends:
+                continue  # sent again after its reply was lost: the same end
+            self.counted_ends.add(once)
+            if request.status is Status.SUCCEEDED:
+                self.failures[result.key] = 0
+            elif request.status in (Status.FAILED, Status.CRASHED):
+                self.failures[result.key] = self.failures.get(result.key, 0) + 1
 
     def _behind_by_hand(self, key: int) -> bool:
         """A skip behind a run a person asked for counts in no streak (the newest running
@@ -610,17 +650,32 @@ class World:
         keeper = sweeps.keeper(replica.proxy._real, replica.catalog, self.sweep_now)
         if cut_short:
             keeper.sweep_missed = self._cut_short  # type: ignore[method-assign]
+        counted: list[ledger.TickRow] = []
+        count_crashes = keeper.count_crashes
+
+        def counting(conn: Any, marked: list[ledger.TickRow]) -> list[int]:
+            counted.extend(marked)  # runs whose replica is gone count as failed
+            return count_crashes(conn, marked)
+
+        keeper.count_crashes = counting  # type: ignore[method-assign]
         try:
             done = keeper.run_once()
         except Exception as exc:
             self.say(f"{replica.name} sweep failed: {exc}")
             self.step_errors += 1
+            if self.faults["sweep_cut_short"] and "simulated" in str(exc):
+                self._swept_crashes(counted)  # cut short after the crashes were committed
             return
+        self._swept_crashes(counted)
         if "missed" in done:
             self.swept.append((self.sweep_now(), self._live_jobs(replica)))
         if replica.notices is not None:  # on the outbox's clock: see outbox.py
             done["notices"] = replica.notices.adopt_now()
         self.say(f"{replica.name} sweep: {done}")
+
+    def _swept_crashes(self, marked: list[ledger.TickRow]) -> None:
+        for row in marked:
+            self.failures[row.key] = self.failures.get(row.key, 0) + 1
 
     def _live_jobs(self, sweeper: Replica) -> frozenset[int]:
         """The jobs of the sweeper and of the replicas live as the database sees them (a
