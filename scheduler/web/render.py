@@ -4,7 +4,7 @@ every answer carries."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -12,6 +12,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from scheduler.web import query
 from scheduler.web.auth import Guard, Session
 from scheduler.web.server import Reply, Request
+from scheduler.web.timeline import when
 
 HTML = "text/html; charset=utf-8"
 JSON = "application/json"
@@ -66,11 +67,3 @@ def text(status: int, line: str, headers: tuple[tuple[str, str], ...] = ()) -> R
 
 def redirect(target: str, headers: tuple[tuple[str, str], ...] = ()) -> Reply:
     return Reply(303, b"", headers=(("Location", target), *headers, *SECURITY))
-
-
-def when(value: str | datetime | None) -> str:
-    """An instant as people read it on the page: 2026-11-30 22:10:03 UTC."""
-    if value is None:
-        return ""
-    instant = datetime.fromisoformat(value) if isinstance(value, str) else value
-    return instant.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -73,6 +73,14 @@ def _x(window: Window, instant: datetime) -> float:
     return LABEL_W + min(max(share, 0.0), 1.0) * _plot_w()
 
 
+def when(value: str | datetime | None) -> str:
+    """An instant as people read it everywhere on the page: 2026-11-30 22:10:03 UTC."""
+    if value is None:
+        return ""
+    instant = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return instant.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def _hm(instant: datetime) -> str:
     return instant.astimezone(UTC).strftime("%H:%M")
 
@@ -121,7 +129,7 @@ def _lane(lane: Lane, window: Window, now: datetime, top: float) -> str:
 def describe(tick: Tick, now: datetime) -> str:
     """What a bar's tooltip says: job, tick, run_id, duration, error."""
     lines = [f"{tick.job} ({tick.status}{', run now' if tick.manual else ''})"]
-    lines.append(f"tick {tick.scheduled_at.astimezone(UTC).isoformat(timespec='seconds')}")
+    lines.append(f"tick {when(tick.scheduled_at)}")
     if tick.instance and tick.status not in (Status.MISSED, Status.PAUSED):
         lines.append(f"on {tick.instance}")
     if tick.run_id is not None:
