@@ -865,6 +865,29 @@ RETURNS void LANGUAGE sql AS $$
     ON CONFLICT DO NOTHING
 $$;
 
+-- The notices one finish raises, each with its facts, in the order they are inserted: what
+-- they say is apart from the streaks that decide whether they are due (the update above
+-- them in scheduler_finish_streaks). A plain query, so the planner inlines it there.
+CREATE FUNCTION scheduler_finish_notices(
+    p_instance text, p_run_id bigint, p_error text, p_crashed boolean, p_threshold integer,
+    p_failures integer, p_failures_before integer, p_overrun_skips integer,
+    p_fail_alert boolean, p_fail_recovered boolean, p_skips_recovered boolean
+) RETURNS TABLE (event text, facts json) LANGUAGE sql STABLE AS $$
+    SELECT e.event, e.facts FROM (VALUES
+        ('job.failures_exceeded', p_fail_alert, json_build_object(
+            'consecutive_failures', p_failures, 'threshold', p_threshold,
+            'instance', p_instance, 'run_id', p_run_id, 'error', p_error,
+            'crashed', CASE WHEN p_crashed THEN 1 ELSE 0 END)),
+        ('job.failures_recovered', p_fail_recovered, json_build_object(
+            'consecutive_failures', p_failures_before, 'instance', p_instance,
+            'run_id', p_run_id)),
+        ('job.recovered', p_skips_recovered, json_build_object(
+            'consecutive_skips', p_overrun_skips, 'instance', p_instance,
+            'run_id', p_run_id))
+    ) AS e(event, due, facts)
+     WHERE e.due
+$$;
+
 CREATE FUNCTION scheduler_finish_streaks(p_instance text, p_done scheduler_done[])
 RETURNS TABLE (key integer, tick timestamptz, failures integer, alert boolean,
                  recovered boolean, skips_recovered boolean, notices bigint[])
@@ -922,19 +945,10 @@ BEGIN
         SELECT e.event, u.job_key, u.job_name, u.tick, e.facts::text, p_instance, now(),
                p_instance, now() + interval '30 seconds', now()
           FROM updated u
-          CROSS JOIN LATERAL (VALUES
-              ('job.failures_exceeded', u.fail_alert, json_build_object(
-                  'consecutive_failures', u.failures, 'threshold', u.threshold,
-                  'instance', p_instance, 'run_id', u.run_id, 'error', u.error,
-                  'crashed', CASE WHEN u.crashed THEN 1 ELSE 0 END)),
-              ('job.failures_recovered', u.fail_recovered, json_build_object(
-                  'consecutive_failures', u.failures_before, 'instance', p_instance,
-                  'run_id', u.run_id)),
-              ('job.recovered', u.skips_recovered, json_build_object(
-                  'consecutive_skips', u.overrun_skips, 'instance', p_instance,
-                  'run_id', u.run_id))
-          ) AS e(event, due, facts)
-         WHERE e.due
+          CROSS JOIN LATERAL scheduler_finish_notices(
+              p_instance, u.run_id, u.error, u.crashed, u.threshold, u.failures,
+              u.failures_before, u.overrun_skips, u.fail_alert, u.fail_recovered,
+              u.skips_recovered) e
         RETURNING id, scheduler_notices.job_key
     )
     SELECT d.key, d.tick,

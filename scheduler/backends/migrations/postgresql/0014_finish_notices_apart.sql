@@ -1,0 +1,2 @@
+-- Functions only: the notices scheduler_finish_streaks raises (which are due, and their
+-- facts) come from scheduler_finish_notices, a function of its own. No table changed.

@@ -1,0 +1,1 @@
+-- Nothing changes here: a change of PostgreSQL's finish functions only (0014 there).
