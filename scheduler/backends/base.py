@@ -110,9 +110,11 @@ class ClaimAnswer(NamedTuple):
 @dataclass(frozen=True)
 class Crashes:
     """Runs of one job found crashed: how many, and the newest one's tick. They count as
-    failures (`count_crashes`)."""
+    failures (`count_crashes`): the job's row may be new (its name), and its streak alerts
+    at the threshold in force (its fail_alert_after)."""
 
-    request: ClaimRequest  # what found them: the job's name and fail_alert_after
+    name: str
+    fail_threshold: int
     count: int
     newest: datetime
 

@@ -138,21 +138,24 @@ class _Shared:
         self.taken.append(key)
         return True
 
-    def _crash_others(self, r: ClaimRequest, message: str) -> Crashes:
-        """With the job's lock in hand, its other `running` rows are stale: crashed."""
+    def _crash_others(
+        self, tick: TickRef, message: str, *, name: str, fail_threshold: int
+    ) -> Crashes:
+        """With the job's lock in hand for `tick`, its other `running` rows are stale:
+        crashed. They count against the job's failure streak (`name`, `fail_threshold`)."""
         t = ledger.ticks
         marked = self.conn.execute(
             update(t)
             .where(
-                t.c.job_key == r.key,
+                t.c.job_key == tick.key,
                 t.c.status == Status.RUNNING,
-                t.c.scheduled_at != r.scheduled_at,
+                t.c.scheduled_at != tick.scheduled_at,
             )
             .values(status=Status.CRASHED, finished_at=self.now, error=message)
             .returning(t.c.scheduled_at)
         ).all()
-        newest = max((row.scheduled_at for row in marked), default=r.scheduled_at)
-        return Crashes(r, len(marked), newest)
+        newest = max((row.scheduled_at for row in marked), default=tick.scheduled_at)
+        return Crashes(name, fail_threshold, len(marked), newest)
 
     def _has_row(self, key: int, tick: datetime) -> bool:
         t = ledger.ticks
@@ -230,10 +233,10 @@ class _Shared:
         alerts = {}
         for key in sorted(crashes):
             found = crashes[key]
-            self._ensure_job(key, found.request.name)
+            self._ensure_job(key, found.name)
             row = self.conn.execute(select(j).where(j.c.job_key == key)).one()
             failures = row.consecutive_failures + found.count
-            threshold = found.request.fail_threshold
+            threshold = found.fail_threshold
             alerting = not row.fail_alerted and failures >= threshold
             self.conn.execute(
                 update(j)
@@ -244,7 +247,7 @@ class _Shared:
                 alerts[key] = self._notice(
                     "job.failures_exceeded",
                     TickRef(key, found.newest),
-                    found.request.name,
+                    found.name,
                     consecutive_failures=failures,
                     threshold=threshold,
                     instance=self.instance,
@@ -360,7 +363,12 @@ class _Decide(_Shared):
 
     def crash_stale(self, ticks: list[Tick]) -> dict[int, Crashes]:
         found = {
-            tick.key: self._crash_others(tick.request, CRASHED_LOST_LOCK)
+            tick.key: self._crash_others(
+                TickRef(tick.key, tick.request.scheduled_at),
+                CRASHED_LOST_LOCK,
+                name=tick.request.name,
+                fail_threshold=tick.request.fail_threshold,
+            )
             for tick in ticks
             if tick.fate is Status.RUNNING
         }
@@ -572,10 +580,12 @@ class _Retries(_Shared):
                 holder=None,
             )
         )
-        request = ClaimRequest(
-            row.job_key, row.job_name, row.scheduled_at, Intent.RUN, 0, 0, fail_threshold,
-        )  # fmt: skip
-        stale = self._crash_others(request, crashed)
+        stale = self._crash_others(
+            TickRef(row.job_key, row.scheduled_at),
+            crashed,
+            name=row.job_name,
+            fail_threshold=fail_threshold,
+        )
         result = ClaimResult(
             row.job_key,
             row.scheduled_at,

@@ -516,14 +516,15 @@ class PostgresBackend:
 
     def count_crashes(self, conn: Connection, crashes: Mapping[int, Crashes]) -> dict[int, int]:
         """scheduler_count_crashes in postgres.sql, the claim's own step."""
-        found = [crashes[key] for key in sorted(crashes)]
+        keys = sorted(crashes)
+        found = [crashes[key] for key in keys]
         params = {
             "instance": self.instance,
-            "keys": pg_numbers([c.request.key for c in found]),
-            "names": pg_texts([c.request.name for c in found]),
+            "keys": pg_numbers(keys),
+            "names": pg_texts([c.name for c in found]),
             "counts": pg_numbers([c.count for c in found]),
             "ticks": pg_times([c.newest for c in found]),
-            "thresholds": pg_numbers([c.request.fail_threshold for c in found]),
+            "thresholds": pg_numbers([c.fail_threshold for c in found]),
         }
         rows = conn.execute(QUERIES["count_crashes"], params)
         return {row.key: row.notice for row in rows if row.notice is not None}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 
 from scheduler import ledger
-from scheduler.backends.base import ClaimRequest, Crashes, Intent
+from scheduler.backends.base import Crashes
 from scheduler.config.settings import Settings
 from scheduler.errors import ConfigError, one_line
 from scheduler.fleet import agreement
@@ -295,9 +295,9 @@ class Housekeeping:
             job = self.catalog.by_key(row.key)
             threshold = job.fail_threshold if job else self.settings.fail_alert_after
             found = crashes.get(row.key)
-            request = ClaimRequest(row.key, row.job, row.scheduled_at, Intent.RUN, 0, 0, threshold)
             crashes[row.key] = Crashes(
-                request,
+                row.job,
+                threshold,
                 (found.count if found else 0) + 1,
                 max(row.scheduled_at, found.newest) if found else row.scheduled_at,
             )
