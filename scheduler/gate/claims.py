@@ -118,7 +118,7 @@ class Claims:
         return Claimed([], failed=False)
 
     def _batch(self, batch: Batch, capacity: int) -> Iterator[Claimed]:
-        requests = [claim_request(job, tick, intent) for job, tick, intent in batch.requests]
+        requests = [claim_request(r.job, r.tick, r.intent) for r in batch.requests]
         try:
             answer = self._claim(requests, capacity)
         except SessionLost:
@@ -132,7 +132,7 @@ class Claims:
             self.queue.put_back(batch.entries, failed=True)
             yield Claimed([], failed=True)
             return
-        jobs = {job.key: job for job, _, _ in batch.requests}
+        jobs = {r.job.key: r.job for r in batch.requests}
         yield Claimed(
             [(jobs[r.key], r) for r in answer.answered if r.outcome is Outcome.RUN], False
         )

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from scheduler.backends.base import Intent, LockStore, Outcome
 from scheduler.gate.runs import ManualResult, Running
@@ -51,11 +51,20 @@ class Pending:
             del self.ticks[:-MAX_BACKLOG]
 
 
+class ToClaim(NamedTuple):
+    """One queued tick offered to a claim, and for what: `run` (the job is free here) or
+    `skip` (this replica still runs it)."""
+
+    job: CatalogJob
+    tick: datetime
+    intent: Intent
+
+
 @dataclass
 class Batch:
     """Ticks to claim together; `entries` go back to the queue if the claim fails."""
 
-    requests: list[tuple[CatalogJob, datetime, Intent]] = field(default_factory=list)
+    requests: list[ToClaim] = field(default_factory=list)
     entries: list[Pending] = field(default_factory=list)
 
 
@@ -143,9 +152,9 @@ class TickQueue:
                         continue  # waits for a free worker; another replica may take it
                     # Every one goes, however few workers are free: most of a burst is
                     # other replicas' share, and the claim wins at most `capacity` runs.
-                    requests = [(entry.job, entry.ticks[-1], Intent.RUN)]
+                    requests = [ToClaim(entry.job, entry.ticks[-1], Intent.RUN)]
                 else:
-                    requests = [(entry.job, tick, Intent.SKIP) for tick in entry.ticks]
+                    requests = [ToClaim(entry.job, tick, Intent.SKIP) for tick in entry.ticks]
                 del self._pending[key]
                 batch = healthy if not entry.failures else Batch()
                 batch.requests += requests
