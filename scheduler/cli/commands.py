@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -536,19 +537,14 @@ def _schedules_cell(found: list[dict[str, Any]]) -> str:
 
 def _history_filter(args: argparse.Namespace, catalog: Catalog) -> TickFilter:
     """What `history` was asked for; a bad value is one clear line (exit 2)."""
-    now = datetime.now(UTC)
+    from scheduler.fleet.status import HistoryAsked, history_filter
+
+    asked = HistoryAsked(args.since, args.until, args.status, args.instance, args.limit)
     zone_shown = _zone_flag(args.tz)
-    since = parsing.since(args.since, "--since", now, zone_shown) if args.since else None
-    until = parsing.instant(args.until, "--until", zone_shown) if args.until else None
-    statuses: tuple[str, ...] = ()
-    if args.status:
-        statuses = parsing.some_of(args.status, "--status", [str(v) for v in Status])
-    instance = None if args.instance is None else parsing.instance_name(args.instance, "--instance")
-    limit = None if args.limit is None else parsing.whole(args.limit, "--limit", 1, MAX_HISTORY)
-    if limit is None and since is None and until is None:
-        limit = 50
+    now = datetime.now(UTC)
+    wanted = history_filter(asked, now, most=MAX_HISTORY, spanned=None, zone=zone_shown, flag="--")
     key = None if args.job is None else _named(catalog, args.job).key
-    return TickFilter(key, since, until, statuses, instance, limit)
+    return replace(wanted, key=key)
 
 
 def _zone_flag(name: str) -> tzinfo:

@@ -1,24 +1,30 @@
 """`scheduler status` and `scheduler history`: the fleet now, and what happened.
 
 Read-only views over the ledger and the backend's live locks; the JSON shapes
-are documented in docs/cli.md.
+are documented in docs/cli.md. The command line and the page's API (`/api/status`,
+`/api/history`) answer from here, and read `history`'s filters with one function
+(`history_filter`), so both accept and refuse the same values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, tzinfo
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine
 
 from scheduler import ledger
 from scheduler.backends import Backend
 from scheduler.backends.embedded import READ_ONLY
+from scheduler.config import parsing
 from scheduler.fleet import agreement, due, pauses
 from scheduler.registry.catalog import Catalog, CatalogJob, schedule_text
-from scheduler.statuses import FINISHED
+from scheduler.statuses import FINISHED, Status
+
+HISTORY_LINES = 50  # ticks `history` lists when asked for neither a limit nor a time span
 
 
 def _reading(backend: Backend) -> Engine:
@@ -29,6 +35,49 @@ def _reading(backend: Backend) -> Engine:
 def history(backend: Backend, wanted: ledger.TickFilter) -> list[dict[str, Any]]:
     with _reading(backend).connect() as conn:
         return [row.as_json() for row in ledger.history(conn, wanted)]
+
+
+@dataclass(frozen=True)
+class HistoryAsked:
+    """`history`'s filters as they were given: the command's flags, the API's query."""
+
+    since: str | None = None  # an age (12h) or an instant
+    until: str | None = None
+    status: str | None = None  # S[,S...]
+    instance: str | None = None
+    limit: str | None = None
+
+
+def history_filter(
+    asked: HistoryAsked,
+    now: datetime,
+    *,
+    most: int,
+    spanned: int | None,
+    zone: tzinfo = UTC,
+    flag: str = "",
+) -> ledger.TickFilter:
+    """The ticks asked for; a malformed value is `parsing.Refused`, naming `flag` + field.
+
+    Without a limit: `HISTORY_LINES` ticks, or `spanned` (None: all) when `since` or
+    `until` is given; a limit is at most `most`. Instants without an offset are in `zone`.
+    """
+    since = until = None
+    if asked.since:
+        since = parsing.since(asked.since, flag + "since", now, zone)
+    if asked.until:
+        until = parsing.instant(asked.until, flag + "until", zone)
+    statuses: tuple[str, ...] = ()
+    if asked.status:
+        statuses = parsing.some_of(asked.status, flag + "status", [str(v) for v in Status])
+    instance = None
+    if asked.instance is not None:
+        instance = parsing.instance_name(asked.instance, flag + "instance")
+    if asked.limit is not None:
+        limit: int | None = parsing.whole(asked.limit, flag + "limit", 1, most)
+    else:
+        limit = HISTORY_LINES if since is None and until is None else spanned
+    return ledger.TickFilter(None, since, until, statuses, instance, limit)
 
 
 def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]]:
@@ -77,10 +126,15 @@ class _Snapshot:
 
 
 def fleet_status(
-    backend: Backend, catalog: Catalog, now: datetime, standbys: Sequence[str] = ()
+    backend: Backend,
+    catalog: Catalog,
+    now: datetime,
+    standbys: Sequence[str] = (),
+    root: str = "",
 ) -> dict[str, Any]:
     """The fleet now; `standbys`: the replicas on standby behind the host lock, on the
-    host that asks (they hold no session, so the ledger cannot know them)."""
+    host that asks (they hold no session, so the ledger cannot know them); `root`: the
+    prefix the page is served under, for each job's `job_url`."""
     # One read transaction; the embedded backend reads its file locks without taking
     # any (a probe could make a concurrent claim see its lock as taken).
     with _reading(backend).begin() as conn:
@@ -99,7 +153,7 @@ def fleet_status(
             for i in instances
         ],
         "standbys": list(standbys),
-        "jobs": [_job_status(job, snapshot, now) for job in catalog],
+        "jobs": [_job_status(job, snapshot, now, root) for job in catalog],
         # What the backend finds wrong under the fleet (embedded: a lock folder that is gone).
         "notes": notes() if callable(notes) else [],
     }
@@ -125,7 +179,7 @@ def _read(backend: Backend, conn: Connection, catalog: Catalog, live: set[str]) 
     )
 
 
-def _job_status(job: CatalogJob, snap: _Snapshot, now: datetime) -> dict[str, Any]:
+def _job_status(job: CatalogJob, snap: _Snapshot, now: datetime, root: str) -> dict[str, Any]:
     state = snap.states.get(job.key, {})
     run = snap.running.get(job.key)
     last = snap.latest.get(job.key)
@@ -133,6 +187,7 @@ def _job_status(job: CatalogJob, snap: _Snapshot, now: datetime) -> dict[str, An
     variants = snap.variants.get(job.key, [])
     return {
         **job.as_json(now),
+        "job_url": job_url(job.name, root),
         "next_tick": job.local(upcoming[0]) if upcoming else None,
         "running": None if run is None else _running_status(job, run, snap, now),
         "last_run": None if last is None else _last_status(last),
@@ -146,6 +201,11 @@ def _job_status(job: CatalogJob, snap: _Snapshot, now: datetime) -> dict[str, An
         "schedules": [v.as_json() for v in variants],
         "schedules_agree": len(variants) <= 1,
     }
+
+
+def job_url(name: str, root: str = "") -> str:
+    """The job's page: a path below where the page is served (under `root`, its prefix)."""
+    return f"{root}/jobs/{quote(name, safe='')}"
 
 
 def _running_status(

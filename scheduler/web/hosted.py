@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from scheduler.config.budgets import PROBES
-from scheduler.web.server import Reply, Request, Route, _answer, _not_routed, find_route
+from scheduler.web.server import (
+    Reply,
+    Request,
+    Route,
+    _answer,
+    _not_routed,
+    answered_as,
+    find_route,
+)
 
 if TYPE_CHECKING:
     from scheduler.backends import Backend
@@ -54,9 +62,8 @@ class Hosted:
         """The reply, never an exception (a route's fault is a 500 with one log line)."""
         routes = {**self._probes(), **self._page_routes()}
         route = find_route(routes, request.method, request.path)
-        if route is None:
-            return _not_routed(routes, request)
-        return _answer(route, request)
+        reply = _not_routed(routes, request) if route is None else _answer(route, request)
+        return answered_as(request, reply)
 
     def is_probe(self, request: Request) -> bool:
         """A probe is answered at once, never queued behind the page."""

@@ -3,6 +3,8 @@
 One table for all routes: a parameter present is parsed whatever the route, and a
 malformed one refuses the request (`parsing.Refused`: 400 and one line); a
 parameter the page does not read is ignored. Forms are read here too, bounded.
+The filters of `/api/history` (since, until, status, instance) are read by the
+function `scheduler history` reads its flags with (`scheduler.fleet.status`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ MIN_REFRESH = 2  # seconds between two refreshes of a page, at least
 MAX_REFRESH = 3600
 API_LIMIT = 1000  # rows of /api/jobs/NAME/history at most
 MAX_QUERY = 100  # characters of the jobs filter
+MAX_JOB = 200  # characters of a job's name in /api/history?job=
 
 
 def _refresh(text: str) -> int:
@@ -37,6 +40,7 @@ QUERY: dict[str, Callable[[str], Any]] = {
     "asked": lambda text: parsing.ledger_id(text, "asked"),
     "before": lambda text: parsing.instant(text, "before"),
     "limit": lambda text: parsing.whole(text, "limit", 1, API_LIMIT),
+    "job": lambda text: parsing.words(text, "job", MAX_JOB),
     "next": parsing.local_path,
 }
 

@@ -10,9 +10,9 @@ A route that tried to write would fail, and its test with it.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any, cast
@@ -25,13 +25,14 @@ from scheduler.backends import Backend
 from scheduler.config.settings import Settings
 from scheduler.fleet import run_now
 from scheduler.fleet.host_lock import host_standbys
-from scheduler.fleet.status import fleet_status, history
+from scheduler.fleet.status import HistoryAsked, fleet_status, history, history_filter
 from scheduler.ledger import TickFilter
 from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.web import query, views
-from scheduler.web.render import JSON, SECURITY, Render, redirect, text
+from scheduler.web.render import Render, document, redirect, text
 from scheduler.web.server import Reply, Request, Route
 
+HISTORY_FILTERS = ("since", "until", "status", "instance", "limit")  # as HistoryAsked has them
 STATIC = {"page.css": "text/css; charset=utf-8", "page.js": "text/javascript; charset=utf-8"}
 # What SQLite may do inside a reading transaction: read, call functions, begin and end.
 _READS = frozenset(
@@ -120,6 +121,7 @@ class Reading:
             "/": self._guarded(self.index),
             "/jobs/*": self._guarded(self.job),
             "/api/status": self._guarded(self.api_status),
+            "/api/history": self._guarded(self.api_fleet_history),
             "/api/jobs/*": self._guarded(self.api_history),
             "/login": self.login_form,
             "/static/*": self.asset,
@@ -163,8 +165,22 @@ class Reading:
 
     def api_status(self, request: Request) -> Reply:
         standbys = host_standbys(self.settings)
-        document = fleet_status(self.backend, self.catalog(), self.clock(), standbys)
-        return Reply(200, json.dumps(document, indent=2).encode(), JSON, SECURITY)
+        now = self.clock()
+        return document(fleet_status(self.backend, self.catalog(), now, standbys, request.root))
+
+    def api_fleet_history(self, request: Request) -> Reply:
+        """`history --json` for the fleet, with its filters: `?since=12h&until=...&status=
+        failed,crashed&instance=NAME&job=NAME&limit=N` (at most `API_LIMIT` ticks)."""
+        wanted = query.parsed(request)
+        given = query.fields(request.query)
+        asked = HistoryAsked(*(given.get(name) for name in HISTORY_FILTERS))
+        chosen = history_filter(asked, self.clock(), most=query.API_LIMIT, spanned=query.API_LIMIT)
+        if "job" in wanted:
+            found = self.catalog().by_name(wanted["job"])
+            if found is None:
+                return text(404, "no such job (see /api/status)")
+            chosen = replace(chosen, key=found.key)
+        return document(history(self.backend, chosen))
 
     def api_history(self, request: Request) -> Reply:
         wanted = query.parsed(request)
@@ -173,8 +189,7 @@ class Reading:
         if found is None or rest != "history":
             return text(404, "no such job (see /api/status)")
         chosen = TickFilter(key=found.key, until=_older(wanted), limit=wanted.get("limit", 50))
-        rows = history(self.backend, chosen)
-        return Reply(200, json.dumps(rows, indent=2).encode(), JSON, SECURITY)
+        return document(history(self.backend, chosen))
 
     def login_form(self, request: Request) -> Reply:
         data = {"next": query.parsed(request).get("next", "/"), "failed": False}

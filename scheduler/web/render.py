@@ -3,6 +3,7 @@ every answer carries."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -11,11 +12,10 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from scheduler.web import query
 from scheduler.web.auth import Guard, Session
-from scheduler.web.server import Reply, Request
+from scheduler.web.server import JSON, Reply, Request
 from scheduler.web.timeline import when
 
 HTML = "text/html; charset=utf-8"
-JSON = "application/json"
 # Nothing is fetched from elsewhere, no inline script runs, no other site may frame the page.
 SECURITY = (
     (
@@ -58,6 +58,11 @@ class Render:
             now=self.clock(),
         )
         return Reply(status, page.encode(), HTML, SECURITY)
+
+
+def document(value: object, status: int = 200) -> Reply:
+    """A JSON answer (the API's)."""
+    return Reply(status, json.dumps(value, indent=2).encode(), JSON, SECURITY)
 
 
 def text(status: int, line: str, headers: tuple[tuple[str, str], ...] = ()) -> Reply:

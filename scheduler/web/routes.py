@@ -1,11 +1,12 @@
 """The page's HTTP side: its routes, the login, and the three actions.
 
-Reading: `/`, `/jobs/NAME`, `/api/status`, `/api/jobs/NAME/history` (open,
-or behind the token with `http_protect: all`), served by `scheduler.web.reading`,
+Reading: `/`, `/jobs/NAME`, `/api/status`, `/api/history`, `/api/jobs/NAME/history`
+(open, or behind the token with `http_protect: all`), served by `scheduler.web.reading`,
 which cannot write. Acting: POST `/jobs/NAME/pause`, `/resume` and `/run`,
 through the same modules as `scheduler pause`, `resume` and `trigger`
 (`scheduler.fleet.pauses`, `scheduler.fleet.run_now`); a run-now request is handed to the
-fleet, and withdrawn after the patience of `trigger` if no replica took it.
+fleet, and withdrawn after the patience of `trigger` if no replica took it. A browser
+is sent back to the job's page; a script (a bearer token) is answered JSON.
 Each answer is rendered by one replica from the shared ledger, so every
 replica shows the same fleet.
 
@@ -20,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import quote
 
@@ -37,11 +39,21 @@ from scheduler.text import printable
 from scheduler.web import query
 from scheduler.web.auth import Guard, cross_site
 from scheduler.web.reading import Reading
-from scheduler.web.render import Render, redirect, text
-from scheduler.web.server import Reply, Request, Route
+from scheduler.web.render import Render, document, redirect, text
+from scheduler.web.server import Reply, Request, Route, speaks_json
 from scheduler.web.throttle import Throttle
+from scheduler.web.views import DONE
 
 log = logging.getLogger("scheduler.http")
+
+
+@dataclass(frozen=True)
+class Done:
+    """What an action did: a word of `views.DONE`, and a run-now request's id."""
+
+    word: str
+    request: int | None = None
+
 
 ROUTES_WITH_A_TOKEN = (("POST", "/login"),)  # besides any request with Authorization
 
@@ -147,29 +159,48 @@ class Page:
     # acting
 
     def act(self, request: Request) -> Reply:
+        """Pause, resume or run now. A browser is sent back to the job's page; a script
+        (a bearer token) is answered the outcome as JSON, and its refusals as JSON too."""
         name, _, action = request.path.removeprefix("/jobs/").partition("/")
         found = self.reading.named(name)
         if found is None or action not in ("pause", "resume", "run"):
             return text(404, "not found")
+        script = speaks_json(request)
         form = query.form(request)
         refused = self.guard.refuse_post(request.headers, form)
         if refused:
-            data = {"why": refused, "job": name}
-            return self.render.html("refused.html", request, data, status=403)
+            return self._refused(request, 403, refused, name, script)
         try:
-            target = self._do(action, found, form)
+            done = self._do(action, found, form)
         except SchedulerError as exc:  # bad input, no taker, a ledger that failed
-            data = {"why": str(exc), "job": name}
-            return self.render.html("refused.html", request, data, status=400)
-        return redirect(target)
+            return self._refused(request, 400, str(exc), name, script)
+        target = f"/jobs/{quote(found.name)}?done={done.word}"
+        if done.request is not None:
+            target += f"&asked={done.request}"
+        if not script:
+            return redirect(target)
+        outcome: dict[str, object] = {
+            "job": found.name,
+            "action": action,
+            "done": done.word,
+            "said": DONE[done.word],
+            "page": request.root + target,  # where a person sees it (and the run's end)
+        }
+        if done.request is not None:
+            outcome["request"] = done.request
+        return document(outcome)
 
-    def _do(self, action: str, job: CatalogJob, form: dict[str, str]) -> str:
+    def _refused(self, request: Request, status: int, why: str, job: str, script: bool) -> Reply:
+        if script:
+            return text(status, why)  # as JSON: scheduler.web.server.answered_as
+        return self.render.html("refused.html", request, {"why": why, "job": job}, status=status)
+
+    def _do(self, action: str, job: CatalogJob, form: dict[str, str]) -> Done:
         who = pauses.checked(form.get("by"), "by", pauses.MAX_ACTOR)
         # Whoever holds the token may type any name: the record says it came by the page.
         via = f"page on {self.settings.instance_name}"
         actor = f"{who} ({via})" if who else via
         now = self.clock()
-        base = "/jobs/" + quote(job.name)
         try:
             with self.backend.ledger_engine.begin() as conn:
                 if action == "pause":
@@ -177,10 +208,10 @@ class Page:
                     _, made = pauses.pause(
                         conn, job.key, job.name, by=actor, reason=reason, now=now
                     )
-                    return f"{base}?done={'paused' if made else 'already'}"
+                    return Done("paused" if made else "already")
                 if action == "resume":
                     ended = pauses.resume(conn, job.key, job.name, by=actor, now=now)
-                    return f"{base}?done={'resumed' if ended else 'not-paused'}"
+                    return Done("resumed" if ended else "not-paused")
                 if not self._taker_for(conn, job):
                     raise SchedulerError(
                         f"{job.name}: not run: no live replica runs it"
@@ -197,7 +228,7 @@ class Page:
             log.warning("page: %s %s failed: %s", action, job.name, one_line(exc))
             raise LedgerError(f"cannot {action} {job.name}: the ledger did not answer") from None
         self._withdraw_later(request)
-        return f"{base}?done=run&asked={request}"
+        return Done("run", request)
 
     def _taker_for(self, conn: Connection, job: CatalogJob) -> bool:
         """Whether a live replica has the job, and so may take a run-now request for it."""

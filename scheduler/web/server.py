@@ -20,7 +20,9 @@ holds bounded memory, threads and file descriptors, and the probes answer:
 
 One request per connection (HTTP/1.0). A route is an exact path, or a
 prefix ending in `/*` (`/jobs/*`) that answers every path under it; the
-page's routes are in `scheduler.web`.
+page's routes are in `scheduler.web`. A client of the API (a path under
+`/api/`, or a POST with a bearer token) is answered its errors as JSON
+(`answered_as`), whichever route or refusal made them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import re
 import resource
@@ -58,6 +61,8 @@ from scheduler.errors import ConfigError
 log = logging.getLogger("scheduler.http")
 
 MAX_BODY = REQUEST_BODY_BYTES  # the name the page's tests know it by
+JSON = "application/json"
+API = "/api/"
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or a header's name (RFC 9110)
 _VERSION = re.compile(r"HTTP/1\.[0-9]")
 
@@ -210,7 +215,7 @@ class HealthServer:
             reply = BUSY
         else:
             reply = await self._on_worker(writer, route, request)
-        await _write(writer, reply)
+        await _write(writer, answered_as(request, reply))
         writer.close()
 
     async def _on_worker(
@@ -328,6 +333,24 @@ def find_route(routes: Mapping[tuple[str, str], Route], method: str, path: str) 
         if m == method and pattern.endswith("/*") and path.startswith(pattern[:-1])
     ]
     return max(under, key=lambda found: found[0])[1] if under else None
+
+
+def speaks_json(request: Request) -> bool:
+    """A client of the API: a path under /api/, or a POST with a bearer token (a script)."""
+    if request.path.startswith(API):
+        return True
+    scheme = request.headers.get("authorization", "").partition(" ")[0]
+    return request.method == "POST" and scheme.lower() == "bearer"
+
+
+def answered_as(request: Request, reply: Reply) -> Reply:
+    """The reply, its error as `{"error": "<the line>"}` for a client of the API."""
+    if reply.status < 400 or not speaks_json(request):
+        return reply
+    if not reply.content_type.startswith("text/plain"):
+        return reply  # JSON already
+    line = reply.body.decode("utf-8", "replace").strip()
+    return Reply(reply.status, json.dumps({"error": line}).encode(), JSON, reply.headers)
 
 
 def _not_routed(routes: Mapping[tuple[str, str], Route], request: Request) -> Reply:

@@ -119,18 +119,39 @@ def test_the_page_links_forms_and_assets_follow_the_prefix(replica):
         assert (status, headers["location"]) == (308, "/scheduler/")
 
 
-def test_actions_need_the_token_and_redirect_under_the_prefix(replica):
+def test_actions_need_the_token_and_answer_under_the_prefix(replica):
     for app, get in apps(replica):
         form = urlencode({"reason": "maintenance"}).encode()
         kind = {"content-type": "application/x-www-form-urlencoded"}
         status, _, _ = get(app, "/jobs/tick/pause", method="POST", body=form, headers=kind)
         assert status == 403
+        wrong = {**kind, "authorization": "Bearer " + "w" * 32}
+        status, headers, body = get(
+            app, "/jobs/tick/pause", method="POST", body=form, headers=wrong
+        )
+        assert (status, headers["content-type"]) == (403, "application/json")
+        assert "log in with the token first" in json.loads(body)["error"]
         bearer = {**kind, "authorization": f"Bearer {TOKEN}"}
-        status, headers, _ = get(app, "/jobs/tick/pause", method="POST", body=form, headers=bearer)
-        location = headers.get("location")
-        assert status == 303 and location is not None
-        assert location.startswith("/scheduler/jobs/tick?done=")
+        status, headers, body = get(
+            app, "/jobs/tick/pause", method="POST", body=form, headers=bearer
+        )
+        assert status == 200 and "location" not in headers
+        assert json.loads(body)["page"].startswith("/scheduler/jobs/tick?done=")
         get(app, "/jobs/tick/resume", method="POST", body=form, headers=bearer)
+
+
+def test_the_api_under_the_prefix_links_each_job_and_answers_errors_as_json(replica):
+    for app, get in apps(replica):
+        status, _, body = get(app, "/api/status")
+        (tick,) = [job for job in json.loads(body)["jobs"] if job["name"] == "tick"]
+        assert (status, tick["job_url"]) == (200, "/scheduler/jobs/tick")
+        assert get(app, tick["job_url"].removeprefix("/scheduler"))[0] == 200
+        for path, method, code in (("/api/nope", "GET", 404), ("/api/status", "POST", 405)):
+            status, headers, body = get(app, path, method=method)
+            assert (status, headers["content-type"]) == (code, "application/json")
+            assert json.loads(body)["error"]
+        status, _, body = get(app, "/api/history?job=tick&limit=5")
+        assert status == 200 and isinstance(json.loads(body), list)
 
 
 def test_reading_behind_the_token_with_http_protect_all(tmp_path, monkeypatch):
