@@ -13,7 +13,8 @@ stand by, with no database session, and one takes over within a second.
 A replica started before a `fork` (gunicorn's `preload_app`, multiprocessing)
 does not run as a copy in the child: the child's copy is stopped, without
 touching what the parent still uses (its sessions, its lock), and `start()`
-in the child starts it afresh as a replica of its own.
+in the child starts it afresh as a replica of its own. A replica made (not
+started) before the fork has imported what it runs: the children share it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Replica:
         self._guard = threading.Lock()
         self._run: _Run | None = None
         self._pid = os.getpid()
+        _import_ahead(self._keywords)
 
     # -- the lifecycle ------------------------------------------------------------------
 
@@ -277,6 +279,18 @@ class _Run:
             raise
         finally:
             daemon.backend.ledger_engine.dispose()  # the host goes on: no session is left open
+
+
+def _import_ahead(keywords: dict[str, Any]) -> None:
+    """Import what a replica runs when it is made, not when it starts: made in the code a
+    forking server's master imports (gunicorn's preload_app), the workers it forks share
+    these pages instead of importing them each (bench/RESULTS.md: In your application).
+    The PostgreSQL backend too when the keywords or the environment name a database."""
+    import scheduler.daemon
+    import scheduler.observers.metrics
+
+    if keywords.get("database_url") or os.environ.get("SCHEDULER_DATABASE_URL"):
+        import scheduler.backends.postgres  # noqa: F401  (imported for its cost, now)
 
 
 def _preload(config: Config) -> None:
