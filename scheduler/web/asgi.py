@@ -18,7 +18,15 @@ from urllib.parse import quote
 
 from scheduler.config.budgets import REQUEST_BODY_BYTES, REQUEST_TIMEOUT, ROUTE_WORKERS
 from scheduler.web.hosted import Hosted, prefixed
-from scheduler.web.server import BUSY, Refused, Reply, Request, header_pairs, sendable
+from scheduler.web.server import (
+    BUSY,
+    Refused,
+    Reply,
+    Request,
+    answered_as,
+    header_pairs,
+    sendable,
+)
 
 if TYPE_CHECKING:
     from scheduler.replica import Replica
@@ -52,7 +60,7 @@ class ASGIApp:
         except Refused as refused:
             await _send(send, refused.reply)
             return
-        await _send(send, prefixed(await self._reply(request), root))
+        await _send(send, prefixed(answered_as(request, await self._reply(request)), root))
 
     async def _reply(self, request: Request) -> Reply:
         if self.hosted.is_probe(request):

@@ -22,7 +22,8 @@ One request per connection (HTTP/1.0). A route is an exact path, or a
 prefix ending in `/*` (`/jobs/*`) that answers every path under it; the
 page's routes are in `scheduler.web`. A client of the API (a path under
 `/api/`, or a POST with a bearer token) is answered its errors as JSON
-(`answered_as`), whichever route or refusal made them.
+(`answered_as`), whichever route made them; a request refused before it is
+read whole (malformed, too large) is answered one line of text.
 """
 
 from __future__ import annotations
