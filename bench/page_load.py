@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg
 from fleet import SERVER, Server
 
-from scheduler import ledger
 from scheduler.backends import open_backend
 from scheduler.config.settings import load_config
+from scheduler.ledger import tables
+from scheduler.ledger.job_states import track_jobs
 from scheduler.registry.catalog import load_catalog, schedule_text
 from scheduler.web.routes import Page
 from scheduler.web.server import HealthServer, Request, find_route
@@ -83,10 +84,10 @@ def fill(url: str, jobs: int, replicas: int, rows: int, now: datetime) -> None:
 
 def register(backend, catalog, replicas: int, now: datetime) -> None:
     entries = [(job.key, job.name, schedule_text(job)) for job in catalog]
-    ledger.track_jobs(backend.ledger_engine, entries, now)
+    track_jobs(backend.ledger_engine, entries, now)
     with backend.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.registrations.insert(),
+            tables.registrations.insert(),
             [
                 {
                     "instance": f"replica-{r}",

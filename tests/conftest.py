@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from scheduler import ledger
+from scheduler.ledger.tables import metadata
 from tests.support import SERVER_URL_ENV, FakeMonotonic, Recorder, with_database
 
 DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -130,7 +130,7 @@ def database_url(run_database: str) -> Iterator[str]:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
-        tables = ", ".join(table.name for table in ledger.metadata.sorted_tables)
+        tables = ", ".join(table.name for table in metadata.sorted_tables)
         conn.execute(
             f"DROP TABLE IF EXISTS {tables} CASCADE;"  # every ledger table, however many
             " DROP SEQUENCE IF EXISTS scheduler_run_id;"

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine
 from scheduler.statuses import Status
 
 if TYPE_CHECKING:
-    from scheduler.ledger import RunRequest
+    from scheduler.ledger.run_now import RunRequest
 
 
 class Intent(StrEnum):

@@ -26,7 +26,6 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event, func, select
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from scheduler import ledger
 from scheduler.backends import filelocks
 from scheduler.backends.base import (
     ClaimAnswer,
@@ -44,6 +43,8 @@ from scheduler.backends.filelocks import KEEP_EVERY, FileLocks
 from scheduler.backends.ledger_file import JOURNAL_SIZE_LIMIT, LedgerFile, process_state
 from scheduler.backends.schema import CURRENT_VERSION, migrate
 from scheduler.errors import ConfigError
+from scheduler.ledger import history, tables
+from scheduler.ledger.run_now import RunRequest, take_run_requests
 
 log = logging.getLogger("scheduler.embedded")
 
@@ -199,8 +200,8 @@ class EmbeddedBackend:
         with self.engine.connect() as conn:  # a look first, which waits for no writer
             conn.execution_options(**{READ_ONLY: True})
             found: int | None = 0
-            if conn.dialect.has_table(conn, ledger.schema_version.name):
-                found = conn.execute(select(func.max(ledger.schema_version.c.version))).scalar()
+            if conn.dialect.has_table(conn, tables.schema_version.name):
+                found = conn.execute(select(func.max(tables.schema_version.c.version))).scalar()
         if (found or 0) >= CURRENT_VERSION:
             return int(found or 0)
         with self.engine.connect() as conn:
@@ -257,7 +258,7 @@ class EmbeddedBackend:
         )
         if due is None:
             return None
-        # The ledger keeps UTC without a zone in SQLite (ledger.UTCDateTime).
+        # The ledger keeps UTC without a zone in SQLite (scheduler.ledger.times.UTCDateTime).
         at = datetime.fromisoformat(str(due)).replace(tzinfo=UTC)
         return (at - self.clock()).total_seconds()
 
@@ -284,10 +285,10 @@ class EmbeddedBackend:
         with self._steps(instance) as steps:
             return steps.claim_retries(keys, capacity, crashed, thresholds)
 
-    def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
         assert self._conn is not None, "not connected"
         with self._writing(), self._conn.begin():
-            return ledger.take_run_requests(self._conn, instance, list(keys), self.clock())
+            return take_run_requests(self._conn, instance, list(keys), self.clock())
 
     # -- housekeeping ---------------------------------------------------------------------
 
@@ -329,7 +330,7 @@ class EmbeddedBackend:
 
     def lock_holders(self, conn: Connection) -> dict[int, str]:
         """Held job locks, read without taking any; the holder's name is the ledger's."""
-        rows = [row for row in ledger.running(conn) if row.instance]
+        rows = [row for row in history.running(conn) if row.instance]
         held = self.locks.held_now(row.key for row in rows)
         if held is None:  # /proc/locks cannot tell here: probe
             held = {row.key for row in rows if not self.locks.free_now(row.key)}
@@ -428,6 +429,6 @@ class EmbeddedBackend:
 def _runs_by_key(conn: Connection) -> dict[int, set[str]]:
     """Job key -> instances whose ledger rows say the job runs there."""
     out: dict[int, set[str]] = {}
-    for row in ledger.running(conn):
+    for row in history.running(conn):
         out.setdefault(row.key, set()).add(row.instance or "")
     return out

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, select, update
 from sqlalchemy.dialects.sqlite import insert
 
-from scheduler import ledger
 from scheduler.backends.base import (
     ClaimAnswer,
     ClaimRequest,
@@ -30,6 +29,8 @@ from scheduler.backends.base import (
     TickRef,
 )
 from scheduler.backends.filelocks import FileLocks
+from scheduler.ledger import history, tables
+from scheduler.ledger.outbox import add_notice
 from scheduler.statuses import CRASHED_LOST_LOCK, Status
 
 # What a claim has decided for a tick so far: a row status, or an outcome without a row.
@@ -128,7 +129,7 @@ class _Shared:
             return False
         if self._running is None:  # read once: this transaction is the only writer
             self._running = {}
-            for row in ledger.running(self.conn):
+            for row in history.running(self.conn):
                 self._running.setdefault(row.key, []).append((row.instance, row.scheduled_at))
         others = {i or "" for i, at in self._running.get(key, []) if at != tick}
         if not self.locks.proves_over(key, others):
@@ -143,7 +144,7 @@ class _Shared:
     ) -> Crashes:
         """With the job's lock in hand for `tick`, its other `running` rows are stale:
         crashed. They count against the job's failure streak (`name`, `fail_threshold`)."""
-        t = ledger.ticks
+        t = tables.ticks
         marked = self.conn.execute(
             update(t)
             .where(
@@ -158,21 +159,21 @@ class _Shared:
         return Crashes(name, fail_threshold, len(marked), newest)
 
     def _has_row(self, key: int, tick: datetime) -> bool:
-        t = ledger.ticks
+        t = tables.ticks
         query = select(t.c.job_key).where(t.c.job_key == key, t.c.scheduled_at == tick)
         return self.conn.execute(query).first() is not None
 
     def _paused(self, keys: set[int]) -> set[int]:
         if not keys:
             return set()
-        p = ledger.pauses
+        p = tables.pauses
         query = select(p.c.job_key).where(p.c.job_key.in_(sorted(keys)))
         return {row.job_key for row in self.conn.execute(query)}
 
     def _holder(self, key: int, exclude: set[tuple[int, datetime]]) -> tuple[str | None, Any, bool]:
         """Whose run holds the job now: its newest `running` row not in `exclude`, and
         whether a person asked for it."""
-        t = ledger.ticks
+        t = tables.ticks
         rows = self.conn.execute(
             select(t.c.instance, t.c.started_at, t.c.scheduled_at, t.c.manual)
             .where(t.c.job_key == key, t.c.status == Status.RUNNING)
@@ -182,17 +183,17 @@ class _Shared:
         return (row.instance, row.started_at, bool(row.manual)) if row else (None, None, False)
 
     def _next_run_id(self) -> int:
-        c = ledger.counters
+        c = tables.counters
         bump = update(c).where(c.c.name == "run_id").values(value=c.c.value + 1)
         return int(self.conn.execute(bump.returning(c.c.value)).scalar_one())
 
     def _job_name(self, r: FinishRequest) -> str:
-        t = ledger.ticks
+        t = tables.ticks
         query = select(t.c.job_name).where(t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at)
         return str(self.conn.execute(query).scalar_one())
 
     def _ensure_job(self, key: int, name: str) -> None:
-        statement = insert(ledger.jobs).values(job_key=key, job_name=name, tracked_since=self.now)
+        statement = insert(tables.jobs).values(job_key=key, job_name=name, tracked_since=self.now)
         self.conn.execute(statement.on_conflict_do_nothing())
 
     def _skip_alert(self, tick: Tick, streak: int, threshold: int) -> int:
@@ -211,7 +212,7 @@ class _Shared:
 
     def _notice(self, event: str, tick: TickRef, name: str, **facts: Any) -> int:
         """Write a notice to the outbox, leased to this replica (`scheduler.observers.notices`)."""
-        return ledger.add_notice(
+        return add_notice(
             self.conn,
             event,
             tick.key,
@@ -229,7 +230,7 @@ class _Shared:
         The failure streak grows by the runs crashed, and alerts once when it first
         reaches the threshold in force; the notice says the runs crashed.
         """
-        j = ledger.jobs
+        j = tables.jobs
         alerts = {}
         for key in sorted(crashes):
             found = crashes[key]
@@ -303,7 +304,7 @@ class _Decide(_Shared):
                 r = tick.request
                 run_id = self._next_run_id() if tick.fate is Status.RUNNING else None
                 started = self.now if run_id is not None else None
-                statement = insert(ledger.ticks).values(
+                statement = insert(tables.ticks).values(
                     job_key=r.key,
                     scheduled_at=r.scheduled_at,
                     job_name=r.name,
@@ -334,7 +335,7 @@ class _Decide(_Shared):
         return out
 
     def record_skips(self, ticks: list[Tick]) -> list[Tick]:
-        t = ledger.ticks
+        t = tables.ticks
         # Rows this claim inserted (a tick it lost is another replica's run).
         own = {
             (tick.key, tick.request.scheduled_at)
@@ -379,7 +380,7 @@ class _Decide(_Shared):
 
         A tick skipped behind a run a person asked for counts in no streak.
         """
-        j = ledger.jobs
+        j = tables.jobs
         out: Streaks = {}
         counted = [t for t in ticks if t.fate is Status.RUNNING or _overran(t)]
         for key in sorted({t.key for t in counted}):
@@ -416,7 +417,7 @@ class _Finish(_Shared):
 
     def record_finishes(self, requests: Sequence[FinishRequest]) -> list[Recorded]:
         """Each finish, recorded now or by an earlier call or not at all, in order."""
-        t = ledger.ticks
+        t = tables.ticks
         out: list[Recorded] = []
         for r in sorted(requests, key=lambda r: (r.scheduled_at, r.key)):
             row = (t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at, t.c.run_id == r.run_id)
@@ -444,7 +445,7 @@ class _Finish(_Shared):
 
     def finish_streaks(self, done: list[Recorded]) -> dict[int, Settled]:
         """Job key -> what its finish did to its streaks, in key order."""
-        j = ledger.jobs
+        j = tables.jobs
         out: dict[int, Settled] = {}
         for d in sorted(done, key=lambda d: d.request.key):
             r, finished = d.request, d.finished_at
@@ -527,7 +528,7 @@ class _Retries(_Shared):
         return Retries(started, next_in)
 
     def _waiting_retries(self, keys: Sequence[int]) -> list[Any]:
-        t = ledger.ticks
+        t = tables.ticks
         paused = self._paused(set(keys))
         query = (
             select(t)
@@ -544,9 +545,9 @@ class _Retries(_Shared):
         self, row: Any, crashed: str, fail_threshold: int
     ) -> tuple[ClaimResult, Crashes]:
         """The failed attempt kept in `attempts`; the row runs again, here, as the next one."""
-        t = ledger.ticks
+        t = tables.ticks
         self.conn.execute(
-            insert(ledger.attempts)
+            insert(tables.attempts)
             .values(
                 job_key=row.job_key,
                 scheduled_at=row.scheduled_at,

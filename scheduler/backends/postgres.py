@@ -25,7 +25,6 @@ from sqlalchemy import Connection, event, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from scheduler import ledger
 from scheduler.backends.base import (
     ClaimAnswer,
     ClaimRequest,
@@ -60,6 +59,12 @@ from scheduler.config.urls import (
     scrub,
 )
 from scheduler.errors import ConfigError, PoolerError, one_line
+from scheduler.ledger.run_now import (
+    RUN_NOW_TAKE_AT_ONCE,
+    RunRequest,
+    run_now_channel,
+    take_run_requests,
+)
 from scheduler.statuses import CRASHED_LOST_LOCK
 
 log = logging.getLogger("scheduler.postgres")
@@ -316,7 +321,7 @@ class PostgresBackend:
                 ),
             )
             # Run-now requests wake the dispatcher: it selects on this session's socket.
-            driver.execute(f'LISTEN "{ledger.run_now_channel(self.namespace)}"')
+            driver.execute(f'LISTEN "{run_now_channel(self.namespace)}"')
             driver.add_notify_handler(self._notified)
         except Exception as exc:
             conn.invalidate()
@@ -326,7 +331,7 @@ class PostgresBackend:
         self._requests = True  # requests made while this replica was away
 
     def _notified(self, notice: psycopg.Notify) -> None:
-        if notice.channel == ledger.run_now_channel(self.namespace):
+        if notice.channel == run_now_channel(self.namespace):
             self._requests = True
 
     def close(self) -> None:
@@ -406,7 +411,7 @@ class PostgresBackend:
             self.close()
             raise SessionLost("the server closed the session")
         while (notice := pgconn.notifies()) is not None:
-            if notice.relname.decode(errors="replace") == ledger.run_now_channel(self.namespace):
+            if notice.relname.decode(errors="replace") == run_now_channel(self.namespace):
                 self._requests = True
 
     # -- the gate's two steps ----------------------------------------------------
@@ -515,11 +520,11 @@ class PostgresBackend:
     def requests_pending(self) -> bool:
         return self._requests
 
-    def take_requests(self, instance: str, keys: Sequence[int]) -> list[ledger.RunRequest]:
+    def take_requests(self, instance: str, keys: Sequence[int]) -> list[RunRequest]:
         self._requests = False
         with self._session() as conn:
-            taken = ledger.take_run_requests(conn, instance, list(keys), func.now())
-        self._requests = len(taken) >= ledger.RUN_NOW_TAKE_AT_ONCE  # more may wait
+            taken = take_run_requests(conn, instance, list(keys), func.now())
+        self._requests = len(taken) >= RUN_NOW_TAKE_AT_ONCE  # more may wait
         return taken
 
     # -- housekeeping, on the ledger session -------------------------------------

@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, delete, func, insert, select, text
 
-from scheduler import ledger
 from scheduler.backends.migrations import LATEST, Migration, functions_sql, migrations, sha256
+from scheduler.ledger import tables
 
 MIGRATION_LOCK_KEY = -1  # (lock_namespace, -1); job keys are 1..2147483647
 CURRENT_VERSION = LATEST
@@ -58,7 +58,7 @@ def _apply(conn: Connection, migration: Migration) -> None:
         for statement in migration.statements():
             conn.exec_driver_sql(statement)
     conn.execute(
-        insert(ledger.schema_version).values(
+        insert(tables.schema_version).values(
             version=migration.version, applied_at=datetime.now(UTC)
         )
     )
@@ -72,7 +72,7 @@ def _install_functions(conn: Connection, again: bool) -> None:
     """
     body = functions_sql()
     digest = sha256(body)
-    installed = conn.execute(select(ledger.functions_installed.c.sha256)).scalars().all()
+    installed = conn.execute(select(tables.functions_installed.c.sha256)).scalars().all()
     if installed == [digest] and not again:
         return
     conn.exec_driver_sql(
@@ -92,15 +92,15 @@ def _install_functions(conn: Connection, again: bool) -> None:
         """
     )
     conn.exec_driver_sql(body)
-    conn.execute(delete(ledger.functions_installed))
+    conn.execute(delete(tables.functions_installed))
     conn.execute(
-        insert(ledger.functions_installed).values(
+        insert(tables.functions_installed).values(
             sha256=digest, version=CURRENT_VERSION, installed_at=datetime.now(UTC)
         )
     )
 
 
 def _version(conn: Connection) -> int:
-    if not conn.dialect.has_table(conn, ledger.schema_version.name):
+    if not conn.dialect.has_table(conn, tables.schema_version.name):
         return 0
-    return conn.execute(select(func.max(ledger.schema_version.c.version))).scalar() or 0
+    return conn.execute(select(func.max(tables.schema_version.c.version))).scalar() or 0

@@ -24,7 +24,7 @@ from scheduler.config import parsing
 from scheduler.config.schedules import zone
 from scheduler.config.settings import Config, load_config
 from scheduler.errors import ConfigError, LedgerError, SchedulerError, one_line, shorten
-from scheduler.ledger import TickFilter
+from scheduler.ledger.history import TickFilter
 from scheduler.registry.catalog import Catalog, CatalogJob, load_catalog
 from scheduler.statuses import Status
 from scheduler.text import printable

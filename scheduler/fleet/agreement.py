@@ -2,11 +2,11 @@
 
 Each replica registers, for each job, the canonical text of what decides its
 ticks (`catalog.schedule_text`: interval and start, or cron and zone; none
-when the job is disabled or unscheduled) in `ledger.registrations`. Replicas
-that register different texts fire different ticks: normal for the length
-of a rolling deploy or of a reload not yet sent to all. Once a disagreement
-has lasted `schedule_drift_grace`, the fleet is told once
-(`job.schedule_drift`), and once more when it ends (`job.schedule_agreed`).
+when the job is disabled or unscheduled) in its registrations
+(scheduler.ledger.registrations). Replicas that register different texts fire
+different ticks: normal for the length of a rolling deploy or of a reload not yet
+sent to all. Once a disagreement has lasted `schedule_drift_grace`, the fleet is
+told once (`job.schedule_drift`), and once more when it ends (`job.schedule_agreed`).
 Pure decisions here; the housekeeping sweep keeps the state in the ledger.
 """
 
@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from scheduler import ledger
 from scheduler.config.schedules import format_duration
+from scheduler.ledger.registrations import Registration
 from scheduler.observers import alerts
 
 
@@ -32,9 +32,7 @@ class Variant:
         return {"schedule": words(self.schedule), "instances": list(self.instances)}
 
 
-def live_schedules(
-    registered: list[ledger.Registration], live: set[str]
-) -> dict[int, list[Variant]]:
+def live_schedules(registered: list[Registration], live: set[str]) -> dict[int, list[Variant]]:
     """Job key -> the schedules its live replicas run now (one when they agree)."""
     by_job: dict[int, dict[str | None, list[str]]] = {}
     for r in registered:

@@ -27,12 +27,14 @@ from datetime import datetime
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import ledger
 from scheduler.backends.base import LedgerStore, Outcome
 from scheduler.errors import one_line
 from scheduler.fleet.due import InForce
 from scheduler.fleet.housekeeping import MISSED_LIMIT
 from scheduler.gate import Gate
+from scheduler.ledger import tables
+from scheduler.ledger.missed import paused_since, record_missed
+from scheduler.ledger.registrations import Registration, registered_instances, registrations_of
 from scheduler.observers import events
 from scheduler.registry.catalog import Catalog, CatalogJob
 
@@ -55,7 +57,7 @@ def submit_latest(catalog: Catalog, gate: Gate, engine: Engine, now: datetime) -
         return
     try:
         with engine.connect() as conn:
-            registered = ledger.registrations_of(conn, [job.key for job in jobs])
+            registered = registrations_of(conn, [job.key for job in jobs])
     except SQLAlchemyError as exc:
         log.warning("catch_up: latest skipped: the ledger did not answer (%s)", one_line(exc))
         return
@@ -69,7 +71,7 @@ def submit_latest(catalog: Catalog, gate: Gate, engine: Engine, now: datetime) -
 
 def plan(
     job: CatalogJob,
-    registered: list[ledger.Registration],
+    registered: list[Registration],
     now: datetime,
     end: datetime,
     have: set[datetime],
@@ -86,7 +88,7 @@ def plan(
 def fleet_up(
     now: datetime,
     live: list[dict[str, object]],
-    registered: list[ledger.Registration],
+    registered: list[Registration],
     registering: set[str],
 ) -> datetime:
     """When the first live replica that fires the job came up (its lock session), or `now`:
@@ -171,12 +173,12 @@ class CatchUp:
             log.exception("%s: catching up failed; the sweep records what was not run", job.name)
 
     def _plan(self, job: CatalogJob) -> tuple[list[datetime], list[datetime]]:
-        t = ledger.ticks
+        t = tables.ticks
         with self.engine.connect() as conn:
             now = self.backend.now(conn)
-            registered = ledger.registrations_of(conn, [job.key])
+            registered = registrations_of(conn, [job.key])
             live = self.backend.live_instances(conn)
-            end = fleet_up(now, live, registered, ledger.registered_instances(conn))
+            end = fleet_up(now, live, registered, registered_instances(conn))
             have = set(
                 conn.execute(
                     select(t.c.scheduled_at).where(
@@ -190,11 +192,11 @@ class CatchUp:
 
     def _record_missed(self, job: CatalogJob, ticks: list[datetime]) -> None:
         with self.engine.begin() as conn:
-            recorded = ledger.record_missed(
+            recorded = record_missed(
                 conn,
                 [(job.key, job.name, tick) for tick in ticks],
                 self.instance,
-                ledger.paused_since(conn),
+                paused_since(conn),
             )
         if recorded:
             log.warning(

@@ -2,7 +2,7 @@
 
 A tick of a job was due if, at that instant, a schedule of the job was in
 force and every schedule in force contained it. The schedules in force are
-those the replicas registered (`ledger.registrations`): each from its `since`
+those the replicas registered (scheduler.ledger.registrations): each from its `since`
 to its `until`. A replica that changes a job's schedule (a reload, a restart
 with another config.yaml) ends the old one there, and the old one keeps
 judging the ticks from before; a replica that is gone keeps its schedule in
@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from apscheduler.triggers.base import BaseTrigger
 
 from scheduler.config.schedules import next_tick, next_ticks, tick_after, ticks_between
-from scheduler.ledger import Registration
+from scheduler.ledger.registrations import Registration
 from scheduler.registry.catalog import CatalogJob, trigger_of
 
 _MICROSECOND = timedelta(microseconds=1)

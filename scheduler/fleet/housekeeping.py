@@ -2,7 +2,7 @@
 
 They run on the replica's second session (never the lock session, so a long
 prune cannot delay a claim), and one replica per period wins the right to do
-them (`ledger.elect`): the work does not grow with the number of replicas.
+them (scheduler.ledger.election): the work does not grow with the number of replicas.
 
 - Stale runs: a `running` row whose job lock nobody holds belongs to a
   replica that died; it is marked `crashed` even when the job's next tick is
@@ -26,12 +26,35 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
 
-from scheduler import ledger
 from scheduler.backends.base import Crashes
 from scheduler.config.settings import Settings
 from scheduler.errors import ConfigError, one_line
 from scheduler.fleet import agreement
 from scheduler.fleet.due import InForce
+from scheduler.ledger.election import elect
+from scheduler.ledger.history import TickRow, running
+from scheduler.ledger.job_states import job_states, set_drift, track_jobs
+from scheduler.ledger.missed import (
+    existing_ticks,
+    missed_watermark,
+    paused_since,
+    record_missed,
+    set_missed_watermark,
+)
+from scheduler.ledger.orphans import end_retry, mark_crashed, pending_retries
+from scheduler.ledger.outbox import add_notice
+from scheduler.ledger.registrations import (
+    Registration,
+    mark_seen,
+    reassert,
+    register,
+    registrations_of,
+    seen_at,
+    supersede,
+)
+from scheduler.ledger.retention import prune_batch, prune_registrations
+from scheduler.ledger.run_now import settle_ended_requests
+from scheduler.ledger.times import iso
 from scheduler.registry.catalog import Catalog, schedule_text
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 
@@ -94,9 +117,7 @@ class Housekeeping:
                     + ": give each replica its own name (SCHEDULER_INSTANCE_NAME)"
                 )
             self._register(conn, self.catalog, set(live), now)
-        ledger.track_jobs(
-            engine, [(job.key, job.name, job.describe()) for job in self.catalog], now
-        )
+        track_jobs(engine, [(job.key, job.name, job.describe()) for job in self.catalog], now)
 
     def reregister(self, catalog: Catalog) -> datetime:
         """After a reload: the jobs and schedules this replica runs from now on; returns
@@ -111,20 +132,18 @@ class Housekeeping:
             live = {i["name"] for i in self.backend.live_instances(conn)}
             self._register(conn, catalog, live - {self.settings.instance_name}, now)
         self.catalog = catalog
-        ledger.track_jobs(engine, [(job.key, job.name, job.describe()) for job in catalog], now)
+        track_jobs(engine, [(job.key, job.name, job.describe()) for job in catalog], now)
         return now
 
     def _register(
         self, conn: Connection, catalog: Catalog, others: set[str], now: datetime
     ) -> None:
         me = self.settings.instance_name
-        self._refuse_clashes(catalog, ledger.registrations_of(conn), others)
-        ledger.register(conn, me, entries(catalog), others, now)
-        ledger.supersede(conn, {*others, me}, now)
+        self._refuse_clashes(catalog, registrations_of(conn), others)
+        register(conn, me, entries(catalog), others, now)
+        supersede(conn, {*others, me}, now)
 
-    def _refuse_clashes(
-        self, catalog: Catalog, found: list[ledger.Registration], live: set[str]
-    ) -> None:
+    def _refuse_clashes(self, catalog: Catalog, found: list[Registration], live: set[str]) -> None:
         for r in found:
             job = catalog.by_key(r.key)
             if job is None or r.instance not in live or r.until is not None:
@@ -171,10 +190,10 @@ class Housekeeping:
         me = self.settings.instance_name
         with engine.begin() as conn:
             now = self.backend.now_expression()
-            sweep = ledger.elect(conn, "sweep", now, SWEEP_EVERY)
-            prune = ledger.elect(conn, "prune", now, PRUNE_EVERY)
-            ledger.mark_seen(conn, me, now)
-            states = ledger.job_states(conn)
+            sweep = elect(conn, "sweep", now, SWEEP_EVERY)
+            prune = elect(conn, "prune", now, PRUNE_EVERY)
+            mark_seen(conn, me, now)
+            states = job_states(conn)
             if self.notices is not None:
                 done["notices"] = self.notices.adopt(conn, now)
             raised: list[int] = []
@@ -187,10 +206,10 @@ class Housekeeping:
                 done["crashed"] = len(crashed)
                 raised += self.count_crashes(conn, crashed)
         with engine.begin() as conn:
-            ledger.reassert(conn, me, entries(self.catalog), now)
+            reassert(conn, me, entries(self.catalog), now)
             if sweep is not None:
-                ledger.supersede(conn, live, sweep.at)
-                registered = ledger.registrations_of(conn)
+                supersede(conn, live, sweep.at)
+                registered = registrations_of(conn)
                 drifting = self.sweep_drift(conn, states, registered, live, sweep.at)
                 done["drift"] = len(drifting)
                 raised += drifting
@@ -198,7 +217,7 @@ class Housekeeping:
             self.notices.schedule(raised)
         if sweep is not None:  # run-now requests whose taker never said how the run ended
             with engine.begin() as conn:
-                done["requests"] = ledger.settle_ended_requests(conn, sweep.at)
+                done["requests"] = settle_ended_requests(conn, sweep.at)
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart,
         # which moves its own watermark, so a sweep cut short here loses no window. The
@@ -206,9 +225,9 @@ class Housekeeping:
         # (and so its grace) moves it; another leaves it to one that does.
         if sweep is not None and judges_every_job(self.catalog, registered, live | {me}):
             with engine.begin() as conn:
-                since = ledger.missed_watermark(conn)
+                since = missed_watermark(conn)
                 done["missed"] = self.sweep_missed(conn, states, since, sweep.at, registered)
-                ledger.set_missed_watermark(conn, max(since, sweep.at))
+                set_missed_watermark(conn, max(since, sweep.at))
         report_states(self.catalog, states, self.on_streaks, self.on_drift)
         if prune is not None:
             cutoff = prune.at - timedelta(days=self.settings.retention_days)
@@ -219,7 +238,7 @@ class Housekeeping:
         self,
         conn: Connection,
         states: dict[int, dict[str, object]],
-        registered: list[ledger.Registration],
+        registered: list[Registration],
         live: set[str],
         now: datetime,
     ) -> list[int]:
@@ -237,45 +256,41 @@ class Housekeeping:
             found = variants.get(key, [])
             after, event = agreement.step(before, len(found) > 1, now, grace)
             if after != before:
-                ledger.set_drift(conn, key, after.since, after.alerted)
+                set_drift(conn, key, after.since, after.alerted)
             if event is not None:
                 facts = {
                     "schedules": [v.as_json() for v in found],
-                    "since": ledger.iso(before.since or now),
+                    "since": iso(before.since or now),
                     "grace_s": grace.total_seconds(),
                 }
                 me = self.settings.instance_name
                 name = str(state["job_name"])
                 raised.append(
-                    ledger.add_notice(
-                        conn, event, key, name, facts, raised_by=me, now=now, deliverer=me
-                    )
+                    add_notice(conn, event, key, name, facts, raised_by=me, now=now, deliverer=me)
                 )
         return raised
 
     def sweep_crashed(
         self, conn: Connection, now: datetime, live: set[str] | None = None
-    ) -> list[ledger.TickRow]:
+    ) -> list[TickRow]:
         """Running rows whose job lock nobody holds: their replica is gone. Returns them.
 
         A run whose replica is gone is known to have lasted until that replica was
-        last seen alive (`ledger.seen`): that is recorded as its duration, a lower bound.
+        last seen alive (`mark_seen`): that is recorded as its duration, a lower bound.
         """
-        stale = ledger.running(conn)
+        stale = running(conn)
         if not stale:
             return []
         if live is None:
             live = {i["name"] for i in self.backend.live_instances(conn)}
         free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
         gone = sorted({r.instance for r in stale if r.instance and r.instance not in live})
-        seen = ledger.seen_at(conn, gone)
+        seen = seen_at(conn, gone)
         marked = []
         for row in sorted(stale, key=lambda r: (r.scheduled_at, r.key)):  # the common order
             if row.key in free and row.run_id is not None:
                 lasted = known_to_last(row, seen.get(row.instance or ""), live)
-                if ledger.mark_crashed(
-                    conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now, lasted
-                ):
+                if mark_crashed(conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now, lasted):
                     marked.append(row)
         if marked:
             log.warning(
@@ -287,7 +302,7 @@ class Housekeeping:
             )
         return marked
 
-    def count_crashes(self, conn: Connection, marked: list[ledger.TickRow]) -> list[int]:
+    def count_crashes(self, conn: Connection, marked: list[TickRow]) -> list[int]:
         """The runs the sweep marked crashed count as failures, as a claim's would
         (`count_crashes` of the backend); returns the alerts raised."""
         crashes: dict[int, Crashes] = {}
@@ -309,20 +324,18 @@ class Housekeeping:
         Only once overdue by `ORPHANED_RETRY_GRACE` (a replica that has the job may be
         on its way: a rolling deploy); the row stays `failed`, now final.
         """
-        pending = ledger.pending_retries(conn, now - ORPHANED_RETRY_GRACE)
+        pending = pending_retries(conn, now - ORPHANED_RETRY_GRACE)
         if not pending:
             return 0
         keys = sorted({p.key for p in pending})
         kept = {
-            r.key
-            for r in ledger.registrations_of(conn, keys)
-            if r.instance in live and r.until is None
+            r.key for r in registrations_of(conn, keys) if r.instance in live and r.until is None
         }
         ended = [
             p
             for p in pending
             if p.key not in kept
-            and ledger.end_retry(conn, p, "not retried: no live replica runs this job")
+            and end_retry(conn, p, "not retried: no live replica runs this job")
         ]
         if ended:
             log.warning(
@@ -339,7 +352,7 @@ class Housekeeping:
         states: dict[int, dict[str, object]],
         previous: datetime,
         now: datetime,
-        registered: list[ledger.Registration] | None = None,
+        registered: list[Registration] | None = None,
     ) -> int:
         """Ticks of enabled jobs that nobody claimed in time, since the previous sweep.
 
@@ -352,21 +365,21 @@ class Housekeeping:
         were due are recorded (`scheduler.fleet.due`: by the schedules in force then).
         """
         if registered is None:
-            registered = ledger.registrations_of(conn)
+            registered = registrations_of(conn)
         # Never past the ledger's clock as it reads now: a `now` from a clock that has
         # since stepped back would name ticks that are not due yet.
         now = min(now, self.backend.now(conn))
         expected = self._expected(states, previous, now, registered)
         if not expected:
             return 0
-        have = ledger.existing_ticks(conn, expected)
+        have = existing_ticks(conn, expected)
         names = {job.key: job.name for job in self.catalog}
         missing = sorted((tick, key) for key, tick in expected if (key, tick) not in have)
-        recorded = ledger.record_missed(
+        recorded = record_missed(
             conn,
             [(key, names[key], tick) for tick, key in missing],
             self.settings.instance_name,
-            ledger.paused_since(conn),
+            paused_since(conn),
         )
         if recorded:
             log.warning("recorded %d missed tick(s): no replica claimed them in time", recorded)
@@ -377,9 +390,9 @@ class Housekeeping:
         states: dict[int, dict[str, object]],
         previous: datetime,
         now: datetime,
-        registered: list[ledger.Registration],
+        registered: list[Registration],
     ) -> list[tuple[int, datetime]]:
-        by_job: dict[int, list[ledger.Registration]] = {}
+        by_job: dict[int, list[Registration]] = {}
         for r in registered:
             by_job.setdefault(r.key, []).append(r)
         expected: list[tuple[int, datetime]] = []
@@ -403,9 +416,7 @@ def entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:
     return [(job.key, job.name, schedule_text(job)) for job in catalog]
 
 
-def judges_every_job(
-    catalog: Catalog, registered: list[ledger.Registration], live: set[str]
-) -> bool:
+def judges_every_job(catalog: Catalog, registered: list[Registration], live: set[str]) -> bool:
     """Whether a replica with `catalog` schedules every job a live replica has a schedule of
     (so that it knows every job's grace, and may move the fleet's missed-tick window)."""
     mine = {job.key for job in catalog.scheduled}
@@ -435,17 +446,17 @@ def prune_before(engine: Engine, cutoff: datetime) -> int:
     """Retention: registrations, then tick rows, older than `cutoff`, in small batches (a
     transaction each, so no lock is held long). Returns the tick rows removed."""
     with engine.begin() as conn:
-        ledger.prune_registrations(conn, cutoff)
+        prune_registrations(conn, cutoff)
     pruned = 0
     while True:
         with engine.begin() as conn:
-            removed = ledger.prune_batch(conn, cutoff)
+            removed = prune_batch(conn, cutoff)
         pruned += removed
         if not removed:
             return pruned
 
 
-def known_to_last(row: ledger.TickRow, seen: datetime | None, live: set[str]) -> float | None:
+def known_to_last(row: TickRow, seen: datetime | None, live: set[str]) -> float | None:
     """How long a crashed run is known to have gone on: until its replica, gone, was last
     seen alive (None: not known; a live replica that lost the lock may still run it)."""
     if row.started_at is None or row.instance in live:

@@ -1,6 +1,6 @@
 """Pausing a job for the whole fleet: `scheduler pause` and `scheduler resume`.
 
-A pause is one row of `ledger.pauses`, read by every claim (postgres.sql,
+A pause is one row of `tables.pauses`, read by every claim (postgres.sql,
 `scheduler_choose`; embedded: `Steps.choose`): while it is there, each tick of
 the job is recorded `paused` once for the fleet and none runs. A run already
 going is not interrupted: it ends as it would have. A manual trigger still
@@ -21,8 +21,10 @@ from datetime import datetime
 
 from sqlalchemy import Connection, delete, select
 
-from scheduler import ledger
 from scheduler.errors import ConfigError
+from scheduler.ledger import tables
+from scheduler.ledger.outbox import add_notice
+from scheduler.ledger.times import iso
 from scheduler.observers import alerts
 from scheduler.text import printable, storable
 
@@ -39,11 +41,11 @@ class Pause:
     reason: str | None
 
     def as_json(self) -> dict[str, object]:
-        return {"by": self.by, "at": ledger.iso(self.at), "reason": self.reason}
+        return {"by": self.by, "at": iso(self.at), "reason": self.reason}
 
     def describe(self) -> str:
         why = f": {self.reason}" if self.reason else ""
-        return printable(f"paused by {self.by} since {ledger.iso(self.at)}{why}")
+        return printable(f"paused by {self.by} since {iso(self.at)}{why}")
 
 
 def default_actor() -> str:
@@ -68,7 +70,7 @@ def checked(text: str | None, what: str, limit: int) -> str | None:
 
 
 def paused_jobs(conn: Connection) -> dict[int, Pause]:
-    p = ledger.pauses
+    p = tables.pauses
     return {
         row.job_key: Pause(row.job_key, row.job_name, row.paused_by, row.paused_at, row.reason)
         for row in conn.execute(select(p))
@@ -80,24 +82,24 @@ def pause(
 ) -> tuple[Pause, bool]:
     """Pause the job (inside the caller's transaction); returns the pause in force and
     whether this call made it (False: it was paused already, and stays as it was)."""
-    p = ledger.pauses
+    p = tables.pauses
     by, reason = storable(by, MAX_ACTOR) or "unknown", storable(reason, MAX_REASON)
     statement = (
-        ledger.upsert(conn, p)
+        tables.upsert(conn, p)
         .values(job_key=key, job_name=name, paused_by=by, paused_at=now, reason=reason)
         .on_conflict_do_nothing(index_elements=[p.c.job_key])
         .returning(p.c.job_key)
     )
     made = conn.execute(statement).first() is not None
     if made:
-        facts = {"by": by, "at": ledger.iso(now), "reason": reason}
-        ledger.add_notice(conn, alerts.JOB_PAUSED, key, name, facts, raised_by=by, now=now)
+        facts = {"by": by, "at": iso(now), "reason": reason}
+        add_notice(conn, alerts.JOB_PAUSED, key, name, facts, raised_by=by, now=now)
     return paused_jobs(conn)[key], made
 
 
 def resume(conn: Connection, key: int, name: str, *, by: str, now: datetime) -> Pause | None:
     """Resume the job (inside the caller's transaction); returns the pause it ended, if any."""
-    p = ledger.pauses
+    p = tables.pauses
     by = storable(by, MAX_ACTOR) or "unknown"
     row = conn.execute(
         delete(p)
@@ -110,9 +112,9 @@ def resume(conn: Connection, key: int, name: str, *, by: str, now: datetime) -> 
     facts = {
         "by": by,
         "paused_by": ended.by,
-        "paused_at": ledger.iso(ended.at),
+        "paused_at": iso(ended.at),
         "reason": ended.reason,
         "paused_s": round((now - ended.at).total_seconds(), 3),
     }
-    ledger.add_notice(conn, alerts.JOB_RESUMED, key, name, facts, raised_by=by, now=now)
+    add_notice(conn, alerts.JOB_RESUMED, key, name, facts, raised_by=by, now=now)
     return ended

@@ -1,6 +1,6 @@
 """Run now, on the fleet: `scheduler trigger JOB` hands the run to a live replica.
 
-The command writes a request row (`ledger.run_requests`) and, on PostgreSQL,
+The command writes a request row (`tables.run_requests`) and, on PostgreSQL,
 notifies the fleet's channel; every replica's lock session listens on it
 (and its heartbeat looks for requests too, in case a notification came while
 it was reconnecting). A replica that runs the job takes the request (one
@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, delete, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import ledger
 from scheduler.errors import one_line
 from scheduler.fleet.housekeeping import SWEEP_EVERY
+from scheduler.ledger import tables
+from scheduler.ledger.history import running_of
+from scheduler.ledger.run_now import RunRequest, run_now_channel, run_of_request, settle_request
 from scheduler.statuses import Status
 from scheduler.text import printable, storable
 
@@ -46,7 +48,7 @@ def ask(conn: Connection, key: int, name: str, *, by: str, now: Any, namespace: 
     """Write a request (inside the caller's transaction); PostgreSQL: notify the fleet.
 
     `now`: the ledger's clock (`LedgerStore.now_expression`), which `look` measures by."""
-    r = ledger.run_requests
+    r = tables.run_requests
     statement = r.insert().values(
         job_key=key, job_name=name, requested_by=storable(by, 200) or "unknown", requested_at=now
     )
@@ -54,14 +56,14 @@ def ask(conn: Connection, key: int, name: str, *, by: str, now: Any, namespace: 
     if namespace is not None and conn.dialect.name == "postgresql":
         conn.execute(
             text("SELECT pg_notify(:channel, :id)"),
-            {"channel": ledger.run_now_channel(namespace), "id": str(request)},
+            {"channel": run_now_channel(namespace), "id": str(request)},
         )
     return request
 
 
 def state(conn: Connection, request: int) -> dict[str, Any] | None:
     row = conn.execute(
-        select(ledger.run_requests).where(ledger.run_requests.c.id == request)
+        select(tables.run_requests).where(tables.run_requests.c.id == request)
     ).first()
     return dict(row._mapping) if row else None
 
@@ -82,7 +84,7 @@ def orphan_patience(holder_timeout: float) -> float:
 
 def withdraw(conn: Connection, request: int) -> bool:
     """Withdraw a request nobody took; False if a replica took it meanwhile."""
-    r = ledger.run_requests
+    r = tables.run_requests
     return bool(conn.execute(delete(r).where(r.c.id == request, r.c.taken_by.is_(None))).rowcount)
 
 
@@ -187,7 +189,7 @@ def look(
 
     A taken request whose run has ended is settled from the run's row; an untaken one
     past `patience` is withdrawn. A taken one with no run that is surely its own (see
-    `ledger.run_of_request`) waits for its replica's word while a run that may be its
+    `run_of_request`) waits for its replica's word while a run that may be its
     own goes on, and for `patience` after; then it is UNKNOWN. `record=False` answers
     the same and writes nothing (a page that only shows it).
     """
@@ -203,7 +205,7 @@ def look(
         if waited > wait and (not record or withdraw(conn, request)):
             return replace(answer, phase=Phase.WITHDRAWN, waited=waited)
         return replace(answer, phase=Phase.WAITING, waited=waited)
-    run = ledger.run_of_request(conn, row)
+    run = run_of_request(conn, row)
     if run is not None and run.status == Status.RUNNING:  # its run, or maybe its run: wait
         return replace(answer, phase=Phase.RUNNING, run_id=run.run_id, started_at=run.started_at)
     if run is None or not run.sure:  # its replica has said nothing yet: it may still
@@ -211,7 +213,7 @@ def look(
         waited = (now - since).total_seconds()
         return replace(answer, phase=Phase.UNKNOWN if waited > wait else Phase.TAKEN, waited=waited)
     ran = replace(answer, run_id=run.run_id, started_at=run.started_at, status=run.status)
-    if record and not ledger.settle_request(
+    if record and not settle_request(
         conn, request, outcome="run", status=run.status, run_id=run.run_id, error=run.error, now=now
     ):  # its replica settled it meanwhile: its words
         return look(conn, request, now=now, holder_timeout=holder_timeout, record=False)
@@ -288,7 +290,7 @@ def _look_now(backend: LedgerStore, request: int, holder_timeout: float) -> Answ
 def held_by(conn: Connection, key: int, holder: str | None) -> str:
     """Why a request was not run, truthfully: the run that holds the job's lock, if the
     ledger has it (on this replica or another), else the lock's holder."""
-    run = ledger.running_of(conn, key)
+    run = running_of(conn, key)
     if run is not None and run.instance and run.started_at is not None:
         since = run.started_at.isoformat(timespec="milliseconds")
         return f"already running on {run.instance} (run {run.run_id}, since {since})"
@@ -324,7 +326,7 @@ class Desk:
 
     def settle(
         self,
-        request: ledger.RunRequest,
+        request: RunRequest,
         outcome: str,
         status: str | None,
         run_id: int | None,
@@ -334,7 +336,7 @@ class Desk:
             with self.engine.begin() as conn:
                 if outcome == "held":
                     error = held_by(conn, request.key, _holder(error))
-                ledger.settle_request(
+                settle_request(
                     conn,
                     request.id,
                     outcome=outcome,

@@ -16,11 +16,15 @@ from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine
 
-from scheduler import ledger
 from scheduler.backends import Backend
 from scheduler.backends.embedded import READ_ONLY
 from scheduler.config import parsing
 from scheduler.fleet import agreement, due, pauses
+from scheduler.ledger import history as ledger_history
+from scheduler.ledger.history import TickFilter, TickRow, latest_of
+from scheduler.ledger.job_states import job_states
+from scheduler.ledger.registrations import Registration, registrations_of, seen_at
+from scheduler.ledger.times import iso
 from scheduler.registry.catalog import Catalog, CatalogJob, schedule_text
 from scheduler.statuses import FINISHED, Status
 
@@ -32,9 +36,9 @@ def _reading(backend: Backend) -> Engine:
     return backend.ledger_engine.execution_options(**{READ_ONLY: True})
 
 
-def history(backend: Backend, wanted: ledger.TickFilter) -> list[dict[str, Any]]:
+def history(backend: Backend, wanted: TickFilter) -> list[dict[str, Any]]:
     with _reading(backend).connect() as conn:
-        return [row.as_json() for row in ledger.history(conn, wanted)]
+        return [row.as_json() for row in ledger_history.history(conn, wanted)]
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def history_filter(
     spanned: int | None,
     zone: tzinfo = UTC,
     flag: str = "",
-) -> ledger.TickFilter:
+) -> TickFilter:
     """The ticks asked for; a malformed value is `parsing.Refused`, naming `flag` + field.
 
     Without a limit: `HISTORY_LINES` ticks, or `spanned` (None: all) when `since` or
@@ -77,7 +81,7 @@ def history_filter(
         limit: int | None = parsing.whole(asked.limit, flag + "limit", 1, most)
     else:
         limit = HISTORY_LINES if since is None and until is None else spanned
-    return ledger.TickFilter(None, since, until, statuses, instance, limit)
+    return TickFilter(None, since, until, statuses, instance, limit)
 
 
 def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]]:
@@ -85,7 +89,7 @@ def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]
     this config.yaml says, or than one another; one (True, ...) line when all agree."""
     with _reading(backend).connect() as conn:
         live = {i["name"] for i in backend.live_instances(conn)}
-        variants = agreement.live_schedules(ledger.registrations_of(conn), live)
+        variants = agreement.live_schedules(registrations_of(conn), live)
     out = []
     for job in catalog:
         found = variants.get(job.key, [])
@@ -106,7 +110,7 @@ def next_ticks(backend: Backend, job: CatalogJob, now: datetime, n: int) -> list
     """The job's next `n` ticks as the live replicas fire them (scheduler.fleet.due)."""
     with backend.ledger_engine.connect() as conn:
         live = {i["name"] for i in backend.live_instances(conn)}
-        registered = ledger.registrations_of(conn, [job.key])
+        registered = registrations_of(conn, [job.key])
     return due.upcoming(job, registered, live, now, n)
 
 
@@ -116,11 +120,11 @@ class _Snapshot:
 
     live: set[str]
     holders: dict[int, str]
-    running: dict[int, ledger.TickRow]
-    latest: dict[int, ledger.TickRow]
+    running: dict[int, TickRow]
+    latest: dict[int, TickRow]
     states: dict[int, dict[str, Any]]
     paused: dict[int, pauses.Pause]
-    by_job: dict[int, list[ledger.Registration]]
+    by_job: dict[int, list[Registration]]
     variants: dict[int, list[agreement.Variant]]
     seen: dict[str, datetime]
 
@@ -146,7 +150,7 @@ def fleet_status(
         "instances": [
             {
                 "name": i["name"],
-                "since": ledger.iso(i.get("since")),
+                "since": iso(i.get("since")),
                 "address": i.get("address"),
                 **({"note": i["note"]} if i.get("note") else {}),
             }
@@ -160,9 +164,9 @@ def fleet_status(
 
 
 def _read(backend: Backend, conn: Connection, catalog: Catalog, live: set[str]) -> _Snapshot:
-    running = {row.key: row for row in ledger.running(conn)}
-    registered = ledger.registrations_of(conn)
-    by_job: dict[int, list[ledger.Registration]] = {}
+    running = {row.key: row for row in ledger_history.running(conn)}
+    registered = registrations_of(conn)
+    by_job: dict[int, list[Registration]] = {}
     for r in registered:
         by_job.setdefault(r.key, []).append(r)
     gone = sorted({r.instance for r in running.values() if r.instance} - live)
@@ -170,12 +174,12 @@ def _read(backend: Backend, conn: Connection, catalog: Catalog, live: set[str]) 
         live=live,
         holders=backend.lock_holders(conn),
         running=running,
-        latest=ledger.latest_of(conn, [job.key for job in catalog], FINISHED),
-        states=ledger.job_states(conn),
+        latest=latest_of(conn, [job.key for job in catalog], FINISHED),
+        states=job_states(conn),
         paused=pauses.paused_jobs(conn),
         by_job=by_job,
         variants=agreement.live_schedules(registered, live),
-        seen=ledger.seen_at(conn, gone),
+        seen=seen_at(conn, gone),
     )
 
 
@@ -209,35 +213,35 @@ def job_url(name: str, root: str = "") -> str:
 
 
 def _running_status(
-    job: CatalogJob, run: ledger.TickRow, snap: _Snapshot, now: datetime
+    job: CatalogJob, run: TickRow, snap: _Snapshot, now: datetime
 ) -> dict[str, Any]:
     return {
         "instance": run.instance,
-        "since": ledger.iso(run.started_at),
-        "scheduled_at": ledger.iso(run.scheduled_at),
+        "since": iso(run.started_at),
+        "scheduled_at": iso(run.scheduled_at),
         "run_id": run.run_id,
         "lock_held_by": snap.holders.get(job.key),
         # Its replica is gone and nobody holds the lock: the sweep will
         # record it crashed; until then it is shown so, not as running.
         "replica_gone": run.instance not in snap.live and job.key not in snap.holders,
-        "last_seen": ledger.iso(snap.seen.get(run.instance or "")),
-        "past_timeout_since": ledger.iso(past_timeout(job, run, now)),
+        "last_seen": iso(snap.seen.get(run.instance or "")),
+        "past_timeout_since": iso(past_timeout(job, run, now)),
     }
 
 
-def _last_status(last: ledger.TickRow) -> dict[str, Any]:
+def _last_status(last: TickRow) -> dict[str, Any]:
     return {
         "status": last.status,
-        "scheduled_at": ledger.iso(last.scheduled_at),
+        "scheduled_at": iso(last.scheduled_at),
         "instance": last.instance,
-        "finished_at": ledger.iso(last.finished_at),
+        "finished_at": iso(last.finished_at),
         "duration_s": last.duration_s,
         "error": last.error,
         "run_id": last.run_id,
     }
 
 
-def past_timeout(job: CatalogJob, run: ledger.TickRow, now: datetime) -> datetime | None:
+def past_timeout(job: CatalogJob, run: TickRow, now: datetime) -> datetime | None:
     """Since when a run still going is past its job's `timeout` (this config.yaml's), if it is:
     a thread cannot be stopped, so a timed-out thread job may run on for long."""
     if job.timeout is None or run.started_at is None:

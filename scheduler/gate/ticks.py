@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol
 from scheduler.backends.base import Intent, LockStore, Outcome
 from scheduler.gate.runs import ManualResult, Running
 from scheduler.gate.session import LockSession
-from scheduler.ledger import RunRequest
+from scheduler.ledger.run_now import RunRequest
 from scheduler.registry.catalog import CatalogJob
 
 MAX_BACKLOG = 100  # ticks of one job kept while it runs here; older ones are left to the sweep

@@ -1,7 +1,7 @@
 """The outbox's deliverer: each notice logged, counted and POSTed once, by some live replica.
 
 A notice is written by the claim or finish that raises it, in the same
-transaction, leased to the replica that committed it (`ledger.notices`). That
+transaction, leased to the replica that committed it (scheduler.ledger.outbox). That
 replica learns the notice's id from the answer and delivers it at once. If it
 never reads the answer (its session died after the commit) or dies while
 delivering, the lease runs out and whichever replica's housekeeping comes by
@@ -34,10 +34,16 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from scheduler import ledger
 from scheduler.config.budgets import ATTEMPT_DEADLINE, NOTICE_ATTEMPTS_AT_ONCE, NOTICES_QUEUED
 from scheduler.config.schedules import format_duration
 from scheduler.errors import one_line
+from scheduler.ledger.outbox import (
+    add_notice,
+    adopt_notices,
+    leased_notices,
+    notice_done,
+    notice_retry,
+)
 from scheduler.observers import alerts, events
 from scheduler.observers.alerts import Notice
 from scheduler.observers.posting import Courier, redact_url
@@ -106,7 +112,7 @@ class Notices(events.Observer):
         }
         try:
             with self.engine.begin() as conn:
-                notice = ledger.add_notice(
+                notice = add_notice(
                     conn, alerts.TIMED_OUT, event.key, event.job, facts,
                     raised_by=self.instance, now=self.clock(),
                     scheduled_at=event.scheduled_at, deliverer=self.instance,
@@ -118,7 +124,7 @@ class Notices(events.Observer):
 
     def adopt(self, conn: Connection, now: Any) -> int:
         """Inside housekeeping's transaction: take over notices nobody is delivering."""
-        ids = ledger.adopt_notices(conn, self.instance, now)
+        ids = adopt_notices(conn, self.instance, now)
         if ids:
             self.schedule(ids)
         return len(ids)
@@ -171,7 +177,7 @@ class Notices(events.Observer):
     def deliver(self, ids: list[int]) -> None:
         """Log each notice at once, then hand its POST to the courier."""
         with self.engine.connect() as conn:
-            rows = ledger.leased_notices(conn, ids, self.instance)
+            rows = leased_notices(conn, ids, self.instance)
         for row in rows:
             notice = Notice.from_row(row)
             if notice.attempts == 0:
@@ -247,9 +253,9 @@ class Notices(events.Observer):
             delay,
         )
         with self.engine.begin() as conn:
-            ledger.notice_retry(conn, notice.id, self.instance, now + timedelta(seconds=delay))
+            notice_retry(conn, notice.id, self.instance, now + timedelta(seconds=delay))
         self.schedule([notice.id], delay)
 
     def _done(self, notice: Notice, outcome: str) -> None:
         with self.engine.begin() as conn:
-            ledger.notice_done(conn, notice.id, self.instance, self.clock(), outcome)
+            notice_done(conn, notice.id, self.instance, self.clock(), outcome)

@@ -26,7 +26,7 @@ from scheduler.config.settings import Settings
 from scheduler.fleet import run_now
 from scheduler.fleet.host_lock import host_standbys
 from scheduler.fleet.status import HistoryAsked, fleet_status, history, history_filter
-from scheduler.ledger import TickFilter
+from scheduler.ledger.history import TickFilter
 from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.web import query, views
 from scheduler.web.render import Render, document, redirect, text

@@ -28,12 +28,12 @@ from urllib.parse import quote
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from scheduler import ledger
 from scheduler.backends import Backend
 from scheduler.config.parsing import Refused, local_path
 from scheduler.config.settings import Settings
 from scheduler.errors import LedgerError, SchedulerError, one_line
 from scheduler.fleet import pauses, run_now
+from scheduler.ledger.registrations import registrations_of
 from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.text import printable
 from scheduler.web import query
@@ -233,7 +233,7 @@ class Page:
     def _taker_for(self, conn: Connection, job: CatalogJob) -> bool:
         """Whether a live replica has the job, and so may take a run-now request for it."""
         live = {i["name"] for i in self.backend.live_instances(conn)}
-        found = ledger.registrations_of(conn, [job.key])
+        found = registrations_of(conn, [job.key])
         return any(r.instance in live and r.until is None for r in found)
 
     def _withdraw_later(self, request: int) -> None:

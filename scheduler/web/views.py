@@ -15,10 +15,11 @@ from typing import Any
 
 from sqlalchemy import desc, select
 
-from scheduler import ledger
 from scheduler.backends import Backend
 from scheduler.fleet.status import fleet_status, history, next_ticks
-from scheduler.ledger import TickFilter
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickFilter
+from scheduler.ledger.times import iso
 from scheduler.observers import alerts
 from scheduler.registry.catalog import Catalog, CatalogJob
 from scheduler.statuses import FINISHED, Status
@@ -92,7 +93,7 @@ def _row(job: dict[str, Any], entry: CatalogJob | None, now: datetime) -> dict[s
         **job,
         "words": words.in_words(entry) if entry else job["schedule"],
         "written": words.as_written(entry) if entry else "",
-        "next_tick_utc": ledger.iso(tick),
+        "next_tick_utc": iso(tick),
         "rank": problem_rank(job),
         "failing": _failing(job),
     }
@@ -158,14 +159,14 @@ def job_page(
 
 def recent_notices(backend: Backend, key: int) -> list[dict[str, Any]]:
     """The job's latest notices (alerts, recoveries, pauses), each as its sentence."""
-    n = ledger.notices
+    n = tables.notices
     query = select(n).where(n.c.job_key == key).order_by(desc(n.c.id)).limit(NOTICES)
     with backend.ledger_engine.connect() as conn:
         found = [dict(row._mapping) for row in conn.execute(query)]
     return [
         {
             "event": row["event"],
-            "at": ledger.iso(row["raised_at"]),
+            "at": iso(row["raised_at"]),
             "by": row["raised_by"],
             "text": alerts.Notice.from_row(row).text(),
             "delivered": row["outcome"] or ("pending" if row["done_at"] is None else ""),

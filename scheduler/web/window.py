@@ -26,7 +26,7 @@ from sqlalchemy import (
     select,
 )
 
-from scheduler import ledger
+from scheduler.ledger import tables
 from scheduler.statuses import Status
 
 BUCKETS = 120  # time buckets across the window: a dense lane is drawn as these
@@ -127,19 +127,19 @@ def _sparse(lanes: list[Lane]) -> list[Lane]:
 
 
 def _epoch(conn: Connection) -> object:
-    column = ledger.ticks.c.scheduled_at
+    column = tables.ticks.c.scheduled_at
     if conn.dialect.name == "postgresql":
         return func.date_part("epoch", column)  # double precision (EXTRACT's numeric is slower)
     return (func.julianday(column) - 2440587.5) * 86400.0
 
 
 def _in_window(window: Window) -> list[ColumnElement[bool]]:
-    column = ledger.ticks.c.scheduled_at
+    column = tables.ticks.c.scheduled_at
     return [column >= window.start, column <= window.end]
 
 
 def _bucket_counts(conn: Connection, window: Window) -> dict[tuple[str, int, str], int]:
-    t = ledger.ticks
+    t = tables.ticks
     offset = (cast(_epoch(conn), Float) - window.start.timestamp()) / window.bucket_s
     bucket = func.floor(offset) if conn.dialect.name == "postgresql" else cast(offset, Integer)
     query = (
@@ -179,13 +179,13 @@ def _ticks(conn: Connection, query: Select[Any]) -> list[Tick]:
 
 
 def _selected() -> Select[Any]:
-    return select(*(ledger.ticks.c[name] for name in _COLUMNS.values()))
+    return select(*(tables.ticks.c[name] for name in _COLUMNS.values()))
 
 
 def _detail(conn: Connection, window: Window, lanes: set[str]) -> list[Tick]:
     if not lanes:
         return []
-    t = ledger.ticks
+    t = tables.ticks
     names = [name for name in lanes if name != NOT_RUN_LANE]
     ran = t.c.instance.in_(names) & t.c.status.not_in(NOT_RUN)
     wanted = (
@@ -202,7 +202,7 @@ def _detail(conn: Connection, window: Window, lanes: set[str]) -> list[Tick]:
 
 def _running(conn: Connection, window: Window) -> list[Tick]:
     """Runs still going that were scheduled before the window (the partial index)."""
-    t = ledger.ticks
+    t = tables.ticks
     query = _selected().where(t.c.status == Status.RUNNING, t.c.scheduled_at < window.start)
     return _ticks(conn, query.limit(100))
 

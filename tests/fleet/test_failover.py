@@ -24,10 +24,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from scheduler import ledger
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.config.settings import Settings
 from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.ledger.job_states import job_states
 from scheduler.registry.catalog import Catalog
 from tests import clusters
 from tests.fleet.replication import Pair
@@ -260,7 +260,7 @@ def record_missed_ticks(failover: Failover, url: str) -> int:
     wait_for(lambda: datetime.now(UTC) > window[-1] + beyond + SECOND, 30, "the grace to pass")
     try:
         with backend.ledger_engine.begin() as conn:
-            states = ledger.job_states(conn)
+            states = job_states(conn)
             return keeper.sweep_missed(conn, states, window[0] + beyond, window[-1] + beyond)
     finally:
         backend.ledger_engine.dispose()

@@ -9,10 +9,12 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.config.settings import JobConfig, Settings
 from scheduler.fleet.housekeeping import Housekeeping
 from scheduler.fleet.status import fleet_status, schedule_checks
+from scheduler.ledger import tables
+from scheduler.ledger.job_states import job_states
+from scheduler.ledger.registrations import registrations_of
 from scheduler.registry.catalog import Catalog
 from tests.support import make_job
 
@@ -39,14 +41,14 @@ def drift(keeper: Housekeeping) -> list[int]:
     """One drift sweep, as the elected replica runs it."""
     with keeper.backend.ledger_engine.begin() as conn:
         live = {i["name"] for i in keeper.backend.live_instances(conn)}
-        states = ledger.job_states(conn)
-        registered = ledger.registrations_of(conn)
+        states = job_states(conn)
+        registered = registrations_of(conn)
         return keeper.sweep_drift(conn, states, registered, live, datetime.now(UTC))
 
 
 def notices(backend) -> list[dict]:
     with backend.ledger_engine.connect() as conn:
-        rows = conn.execute(select(ledger.notices).order_by(ledger.notices.c.id))
+        rows = conn.execute(select(tables.notices).order_by(tables.notices.c.id))
         return [{**row._mapping, "facts": json.loads(row.facts)} for row in rows]
 
 
@@ -75,7 +77,7 @@ def test_replicas_that_disagree_are_shown_and_told_once_and_their_agreement_once
     assert told["event"] == "job.schedule_drift" and told["job_name"] == "sync"
     assert [v["instances"] for v in told["facts"]["schedules"]] == [["a"], ["b"]]
     with a.ledger_engine.connect() as conn:
-        assert ledger.job_states(conn)[KEY]["drift_since"] is not None
+        assert job_states(conn)[KEY]["drift_since"] is not None
 
     old.reregister(Catalog((new_job,)))  # a reload: both run every 2 s now
     assert fleet_status(a, Catalog((new_job,)), datetime.now(UTC))["jobs"][0]["schedules"] == [
@@ -85,7 +87,7 @@ def test_replicas_that_disagree_are_shown_and_told_once_and_their_agreement_once
     assert len(drift(new)) == 1 and drift(old) == []
     assert [n["event"] for n in notices(a)] == ["job.schedule_drift", "job.schedule_agreed"]
     with a.ledger_engine.connect() as conn:
-        state = ledger.job_states(conn)[KEY]
+        state = job_states(conn)[KEY]
     assert state["drift_since"] is None and not state["drift_alerted"]
 
 

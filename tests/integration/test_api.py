@@ -15,9 +15,9 @@ from urllib.parse import urlencode
 
 import pytest
 
-from scheduler import ledger
 from scheduler.cli.commands import main
 from scheduler.config.settings import load_config
+from scheduler.ledger import tables
 from scheduler.registry.catalog import load_catalog
 from scheduler.web import mount
 from scheduler.web.server import HealthServer
@@ -56,7 +56,7 @@ def api(tmp_path, monkeypatch, database_url) -> Iterator[str]:
         for key, name in ((2001, "sync"), (2002, "report"))
     ]
     with backend.ledger_engine.begin() as conn:
-        conn.execute(ledger.ticks.insert(), rows)
+        conn.execute(tables.ticks.insert(), rows)
     server = HealthServer("127.0.0.1", 0, live=lambda: True, ready=lambda: True, metrics=bytes)
     mount(server, backend, lambda: catalog, config.settings)
     server.start()

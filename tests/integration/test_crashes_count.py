@@ -13,8 +13,9 @@ import json
 
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
+from scheduler.ledger import tables
+from scheduler.ledger.job_states import job_states
 from scheduler.statuses import CRASHED_LOST_LOCK
 from tests.integration.test_gate_protocol import KEY, LATER, die, finish, rows, tick
 from tests.integration.test_retries_and_catch_up import fail_attempt
@@ -36,11 +37,11 @@ def claim_with(backend, at, fail_threshold: int):
 
 def failure_streak(backend) -> int:
     with backend.ledger_engine.connect() as conn:
-        return int(ledger.job_states(conn).get(KEY, {}).get("consecutive_failures") or 0)
+        return int(job_states(conn).get(KEY, {}).get("consecutive_failures") or 0)
 
 
 def failure_alerts(backend) -> list[dict]:
-    n = ledger.notices
+    n = tables.notices
     with backend.ledger_engine.connect() as conn:
         found = conn.execute(select(n).where(n.c.event == "job.failures_exceeded"))
         return [json.loads(row.facts) for row in found]

@@ -14,10 +14,10 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import update
 
-from scheduler import ledger
 from scheduler.backends.base import Outcome
 from scheduler.config.settings import JobConfig
 from scheduler.gate import Gate
+from scheduler.ledger import tables
 from scheduler.observers import events
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
 
@@ -75,8 +75,8 @@ def test_a_pending_retry_of_a_job_disabled_by_a_reload_is_not_taken(backends):
     settle(gate, lambda: seen.of(events.RunFinished), "the first attempt to fail")
     with gate.backend.ledger_engine.begin() as conn:  # the retry is due now
         conn.execute(
-            update(ledger.ticks)
-            .where(ledger.ticks.c.job_key == 1501)
+            update(tables.ticks)
+            .where(tables.ticks.c.job_key == 1501)
             .values(retry_at=datetime.now(UTC) - timedelta(seconds=1))
         )
     catalog.disable(1501)

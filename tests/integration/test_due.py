@@ -9,10 +9,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import inspect
 
-from scheduler import ledger
 from scheduler.config.settings import JobConfig, Settings
 from scheduler.fleet.catch_up import CatchUp, submit_latest
 from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.ledger import registrations, tables
+from scheduler.ledger.history import TickFilter, TickRow, history
+from scheduler.ledger.job_states import job_states, track_jobs
+from scheduler.ledger.registrations import reassert, registrations_of, supersede
+from scheduler.ledger.retention import prune_registrations
 from scheduler.registry.catalog import Catalog, CatalogJob, schedule_text
 from tests.support import make_job
 
@@ -31,19 +35,19 @@ def on_grid(tick: datetime, seconds: int) -> bool:
 def register(backend, job: CatalogJob, at: datetime, live: set[str] = frozenset()) -> None:
     """Replica r1 starts (or reloads) with `job` at `at`, as Housekeeping registers."""
     with backend.ledger_engine.begin() as conn:
-        ledger.register(conn, "r1", [(KEY, NAME, schedule_text(job))], set(live), at)
-        ledger.supersede(conn, {*live, "r1"}, at)
+        registrations.register(conn, "r1", [(KEY, NAME, schedule_text(job))], set(live), at)
+        supersede(conn, {*live, "r1"}, at)
 
 
 def ran(backend, ticks: list[datetime]) -> None:
     base = {"job_key": KEY, "job_name": NAME, "status": "succeeded", "instance": "r1"}
     with backend.ledger_engine.begin() as conn:
-        conn.execute(ledger.ticks.insert(), [{**base, "scheduled_at": t} for t in ticks])
+        conn.execute(tables.ticks.insert(), [{**base, "scheduled_at": t} for t in ticks])
 
 
-def rows(backend) -> dict[datetime, ledger.TickRow]:
+def rows(backend) -> dict[datetime, TickRow]:
     with backend.ledger_engine.connect() as conn:
-        found = ledger.history(conn, ledger.TickFilter(KEY, limit=10_000))
+        found = history(conn, TickFilter(KEY, limit=10_000))
     return {r.scheduled_at: r for r in found}
 
 
@@ -70,7 +74,7 @@ def test_a_fleet_down_then_back_with_another_schedule_then_reloaded_is_judged_ti
     down = now - timedelta(seconds=150)
     back = down + timedelta(seconds=52, milliseconds=500)  # changes fall between ticks
     reloaded = back + timedelta(seconds=40)
-    ledger.track_jobs(backend.ledger_engine, [(KEY, NAME, "every 7s")], start)
+    track_jobs(backend.ledger_engine, [(KEY, NAME, "every 7s")], start)
     register(backend, every(7), start)
     ran(backend, grid(7, start, down))
     register(backend, every(10), back)  # the same replica restarts with another config
@@ -78,7 +82,7 @@ def test_a_fleet_down_then_back_with_another_schedule_then_reloaded_is_judged_ti
     register(backend, every(5), reloaded, live={"r1"})  # a reload: r1 is live
     keeper = Housekeeping(backend, Catalog((every(5),)), Settings(instance_name="r1"))
     with backend.ledger_engine.begin() as conn:
-        keeper.sweep_missed(conn, ledger.job_states(conn), start, now)
+        keeper.sweep_missed(conn, job_states(conn), start, now)
     found = rows(backend)
     cutoff = now - every(5).misfire_grace - timedelta(seconds=5)
     # No row for a tick that no schedule in force at it contained ...
@@ -98,7 +102,7 @@ def test_catch_up_after_a_restart_with_a_new_schedule_runs_only_ticks_of_the_old
     start = now - timedelta(seconds=40)
     stopped = now - timedelta(seconds=3)  # the 5 s ticks of the gap were never run ...
     back = now - timedelta(seconds=1)
-    ledger.track_jobs(backend.ledger_engine, [(KEY, NAME, "every 5s")], start)
+    track_jobs(backend.ledger_engine, [(KEY, NAME, "every 5s")], start)
     register(backend, every(5), start)
     ran(backend, grid(5, start, stopped))
     register(backend, job, back)
@@ -120,7 +124,7 @@ def test_catch_up_latest_takes_the_latest_tick_of_the_schedule_in_force(backend)
     job = every(7, catch_up="latest")
     now = datetime.now(UTC).replace(microsecond=0)
     back = now - timedelta(seconds=1, milliseconds=500)
-    ledger.track_jobs(backend.ledger_engine, [(KEY, NAME, "every 5s")], now - timedelta(hours=1))
+    track_jobs(backend.ledger_engine, [(KEY, NAME, "every 5s")], now - timedelta(hours=1))
     register(backend, every(5), now - timedelta(hours=1))
     register(backend, job, back)
     gate = Gate()
@@ -136,19 +140,17 @@ def test_a_reload_ends_the_old_schedule_and_keeps_it_where_only_retention_remove
     at = keeper.reregister(Catalog((every(7),)))
     with backend.ledger_engine.begin() as conn:
         entries = [(KEY, NAME, schedule_text(every(7)))]
-        assert ledger.reassert(conn, "r1", entries, at) == 0  # the old one stays ended
-        ledger.supersede(conn, set(), at + timedelta(hours=1))  # r1 gone: no live one runs
-        found = sorted(ledger.registrations_of(conn, [KEY]), key=lambda r: r.since)
+        assert reassert(conn, "r1", entries, at) == 0  # the old one stays ended
+        supersede(conn, set(), at + timedelta(hours=1))  # r1 gone: no live one runs
+        found = sorted(registrations_of(conn, [KEY]), key=lambda r: r.since)
     assert [(r.schedule, r.until) for r in found] == [
         (schedule_text(every(5)), at),
         (schedule_text(every(7)), None),
     ]
     assert found[1].since == at
     with backend.ledger_engine.begin() as conn:
-        ledger.prune_registrations(conn, at + timedelta(seconds=1))
-        assert [r.schedule for r in ledger.registrations_of(conn, [KEY])] == [
-            schedule_text(every(7))
-        ]
+        prune_registrations(conn, at + timedelta(seconds=1))
+        assert [r.schedule for r in registrations_of(conn, [KEY])] == [schedule_text(every(7))]
 
 
 def test_a_replica_superseded_while_it_started_gets_its_newest_schedule_back(backend):
@@ -156,14 +158,14 @@ def test_a_replica_superseded_while_it_started_gets_its_newest_schedule_back(bac
     register(backend, every(5), now - timedelta(minutes=2))
     register(backend, every(7), now - timedelta(minutes=1), live={"r1"})
     with backend.ledger_engine.begin() as conn:  # another replica took r1 for gone
-        ledger.supersede(conn, {"r2"}, now)
+        supersede(conn, {"r2"}, now)
         conn.execute(
-            ledger.registrations.update()
-            .where(ledger.registrations.c.until.is_(None))
+            tables.registrations.update()
+            .where(tables.registrations.c.until.is_(None))
             .values(until=now)
         )
-        assert ledger.reassert(conn, "r1", [(KEY, NAME, schedule_text(every(7)))], now) == 1
-        found = {r.schedule: r.until for r in ledger.registrations_of(conn, [KEY])}
+        assert reassert(conn, "r1", [(KEY, NAME, schedule_text(every(7)))], now) == 1
+        found = {r.schedule: r.until for r in registrations_of(conn, [KEY])}
     assert found == {
         schedule_text(every(5)): now - timedelta(minutes=1),
         schedule_text(every(7)): None,
@@ -194,11 +196,11 @@ def test_a_version_6_ledger_keeps_its_registrations_and_gains_their_history(back
     assert a.migrate() == CURRENT_VERSION
     with a.ledger_engine.connect() as conn:
         key = inspect(conn).get_pk_constraint("scheduler_registrations")["constrained_columns"]
-        assert [(r.instance, r.since) for r in ledger.registrations_of(conn)] == [("r1", since)]
+        assert [(r.instance, r.since) for r in registrations_of(conn)] == [("r1", since)]
     assert key == ["instance", "job_key", "since"]
     register(a, every(7), since + timedelta(seconds=1))  # a change now keeps the old one
     with a.ledger_engine.connect() as conn:
-        assert len(ledger.registrations_of(conn)) == 2
+        assert len(registrations_of(conn)) == 2
 
 
 def test_replicas_starting_together_with_one_schedule_each_keep_it_registered(backends):

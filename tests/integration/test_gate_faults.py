@@ -13,12 +13,12 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.gate import Gate
 from scheduler.gate.session import LockSession
+from scheduler.ledger.job_states import track_jobs
 from scheduler.observers import events
 from tests.support import (
     FakeMonotonic,
@@ -94,7 +94,7 @@ def test_a_statement_timeout_is_not_a_lost_session(gate_factory, database_url):
     release = threading.Event()
     blocking = make_job(721, lambda ctx: release.wait(20), name="holder")
     gate, seen, clock = gate_factory(holder_timeout=3)  # statements end after a second or so
-    ledger.track_jobs(gate.backend.ledger_engine, [(721, "holder", "every 1s")], datetime.now(UTC))
+    track_jobs(gate.backend.ledger_engine, [(721, "holder", "every 1s")], datetime.now(UTC))
     gate.submit(blocking, now_tick(-1))
     settle(gate, lambda: seen.of(events.RunStarted), "the run to start")
     run = next(iter(gate.table.runs()))
@@ -221,13 +221,13 @@ def test_starting_a_replica_does_not_lock_the_job_rows_it_finds_unchanged(databa
     backend = PostgresBackend(database_url, instance="st", namespace=4646, holder_timeout=30)
     backend.migrate()
     entries = [(k, f"job{k}", "every 1s") for k in (801, 802, 803)]
-    ledger.track_jobs(backend.ledger_engine, entries, datetime.now(UTC))
+    track_jobs(backend.ledger_engine, entries, datetime.now(UTC))
     with psycopg.connect(database_url) as claim:  # a claim holding one job's row
         claim.execute("SELECT 1 FROM scheduler_jobs WHERE job_key = 802 FOR UPDATE")
         with backend.ledger_engine.connect() as conn:
             conn.exec_driver_sql("SET lock_timeout = '1s'")
             conn.commit()
         # With lock_timeout set, a start-up that waited for the row would raise here.
-        ledger.track_jobs(backend.ledger_engine, entries, datetime.now(UTC))
+        track_jobs(backend.ledger_engine, entries, datetime.now(UTC))
         claim.rollback()
     backend.ledger_engine.dispose()

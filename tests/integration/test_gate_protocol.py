@@ -86,10 +86,10 @@ def die(backend) -> None:
 def rows(backend) -> dict[datetime, dict]:
     from sqlalchemy import select
 
-    from scheduler import ledger
+    from scheduler.ledger import tables
 
     with backend.ledger_engine.connect() as conn:
-        found = conn.execute(select(ledger.ticks).where(ledger.ticks.c.job_key == KEY))
+        found = conn.execute(select(tables.ticks).where(tables.ticks.c.job_key == KEY))
         return {r.scheduled_at: dict(r._mapping) for r in found}
 
 
@@ -207,13 +207,15 @@ def test_consecutive_failures_alert_once_and_recover(replicas):
 
 def test_a_tracked_job_starts_with_no_streaks(replicas):
     """The daemon registers every job at start-up; its first runs report no recovery."""
-    from scheduler import ledger
+    from scheduler.ledger import tables
+    from scheduler.ledger.history import TickFilter, history
+    from scheduler.ledger.job_states import track_jobs
 
     a = replicas("a")
-    ledger.track_jobs(a.ledger_engine, [(KEY, "job", "every 1s")], datetime.now(UTC))
+    track_jobs(a.ledger_engine, [(KEY, "job", "every 1s")], datetime.now(UTC))
     with a.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert().values(
+            tables.ticks.insert().values(
                 job_key=KEY, scheduled_at=tick(25), job_name="job", status="missed"
             )
         )
@@ -222,7 +224,7 @@ def test_a_tracked_job_starts_with_no_streaks(replicas):
     done = finish(a, run)
     assert not done.recovered and not done.skips_recovered and done.consecutive_failures == 0
     with a.ledger_engine.connect() as conn:
-        rows = ledger.history(conn, ledger.TickFilter(KEY, limit=10))
+        rows = history(conn, TickFilter(KEY, limit=10))
     assert [r.manual for r in rows] == [False, False]
 
 
@@ -414,6 +416,6 @@ def test_a_tick_skipped_behind_a_run_asked_for_by_hand_counts_in_no_streak(repli
     assert [s.holder for s in skipped] == ["a"] * 3
     assert not any(s.alert for s in skipped)
     with a.ledger_engine.connect() as conn:
-        from scheduler import ledger
+        from scheduler.ledger.job_states import job_states
 
-        assert int(ledger.job_states(conn).get(KEY, {}).get("consecutive_skips") or 0) == 0
+        assert int(job_states(conn).get(KEY, {}).get("consecutive_skips") or 0) == 0

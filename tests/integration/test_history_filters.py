@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import ledger
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.cli.commands import main
+from scheduler.ledger import tables
 
 JOBS = """
 from scheduler import job
@@ -70,7 +70,7 @@ def ledger_rows(database_url: str) -> list[dict]:
                 }
             )
     with backend.ledger_engine.begin() as conn:
-        conn.execute(ledger.ticks.insert(), rows)
+        conn.execute(tables.ticks.insert(), rows)
     backend.ledger_engine.dispose()
     return rows
 

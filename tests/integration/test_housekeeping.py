@@ -8,11 +8,15 @@ from itertools import pairwise
 import psycopg
 import pytest
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.config.settings import Settings
 from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickFilter, history
+from scheduler.ledger.job_states import job_states, track_jobs
+from scheduler.ledger.registrations import register, registrations_of, supersede
+from scheduler.ledger.retention import prune_batch
 from scheduler.registry.catalog import Catalog, schedule_text
 from tests.support import make_job, wait_for
 
@@ -26,7 +30,7 @@ def backend_factory(backends):
 
 def sweep_missed(keeper: Housekeeping, previous: datetime, now: datetime) -> int:
     with keeper.backend.ledger_engine.begin() as conn:
-        return keeper.sweep_missed(conn, ledger.job_states(conn), previous, now)
+        return keeper.sweep_missed(conn, job_states(conn), previous, now)
 
 
 def settings(**values) -> Settings:
@@ -35,9 +39,9 @@ def settings(**values) -> Settings:
 
 def track(backend, job, since: datetime, instance: str = "hk") -> None:
     """The job as a replica starts it at `since`: its state row and its schedule in force."""
-    ledger.track_jobs(backend.ledger_engine, [(job.key, job.name, job.describe())], since)
+    track_jobs(backend.ledger_engine, [(job.key, job.name, job.describe())], since)
     with backend.ledger_engine.begin() as conn:
-        ledger.register(conn, instance, [(job.key, job.name, schedule_text(job))], set(), since)
+        register(conn, instance, [(job.key, job.name, schedule_text(job))], set(), since)
 
 
 def test_one_replica_at_a_time_does_the_chores(backend_factory):
@@ -72,7 +76,7 @@ def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
 
     wait_for(swept, 10, "the sweep to find the dead replica's run")
     with alive.ledger_engine.connect() as conn:
-        assert ledger.history(conn, ledger.TickFilter(key=611, limit=1))[0].status == "crashed"
+        assert history(conn, TickFilter(key=611, limit=1))[0].status == "crashed"
 
 
 def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
@@ -85,13 +89,13 @@ def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
     ran = cutoff - timedelta(seconds=5)
     with backend.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert().values(
+            tables.ticks.insert().values(
                 job_key=621, scheduled_at=ran, job_name="lonely", status="succeeded"
             )
         )
     recorded = sweep_missed(keeper, now - timedelta(seconds=40), now)
     with backend.ledger_engine.connect() as conn:
-        rows = ledger.history(conn, ledger.TickFilter(621, limit=1000))
+        rows = history(conn, TickFilter(621, limit=1000))
     missed = [r.scheduled_at for r in rows if r.status == "missed"]
     assert recorded == len(missed) > 0
     assert ran not in missed  # a tick that has a row keeps it
@@ -115,7 +119,7 @@ def test_retention_prunes_old_finished_rows_only(backend_factory):
     with backend.ledger_engine.begin() as conn:
         for i in range(30):
             conn.execute(
-                ledger.ticks.insert().values(
+                tables.ticks.insert().values(
                     job_key=641,
                     scheduled_at=old - timedelta(seconds=i),
                     job_name="j",
@@ -123,7 +127,7 @@ def test_retention_prunes_old_finished_rows_only(backend_factory):
                 )
             )
         conn.execute(
-            ledger.ticks.insert().values(
+            tables.ticks.insert().values(
                 job_key=641,
                 scheduled_at=old + timedelta(seconds=1),
                 job_name="j",
@@ -132,19 +136,19 @@ def test_retention_prunes_old_finished_rows_only(backend_factory):
             )
         )
         conn.execute(
-            ledger.ticks.insert().values(
+            tables.ticks.insert().values(
                 job_key=641, scheduled_at=fresh, job_name="j", status="succeeded"
             )
         )
     pruned = []
     while True:
         with backend.ledger_engine.begin() as conn:
-            pruned.append(ledger.prune_batch(conn, now - timedelta(days=1), batch=7))
+            pruned.append(prune_batch(conn, now - timedelta(days=1), batch=7))
         if not pruned[-1]:
             break
     assert sum(pruned) == 30 and len(pruned) > 2  # in several bounded batches
     with backend.ledger_engine.connect() as conn:
-        left = {r.status for r in ledger.history(conn, ledger.TickFilter(641, limit=100))}
+        left = {r.status for r in history(conn, TickFilter(641, limit=100))}
     assert left == {"running", "succeeded"}  # a run still going is never pruned
 
 
@@ -153,7 +157,7 @@ def test_the_elected_replica_prunes(backend_factory):
     old = datetime.now(UTC) - timedelta(days=3)
     with backend.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert().values(
+            tables.ticks.insert().values(
                 job_key=651, scheduled_at=old, job_name="j", status="succeeded"
             )
         )
@@ -222,14 +226,14 @@ def test_replicas_that_differ_never_have_one_schedule_recorded_missed_for_the_ot
     backend = backend_factory("h")
     now = datetime.now(UTC).replace(microsecond=0)
     start = now - timedelta(minutes=5)
-    ledger.track_jobs(backend.ledger_engine, [(641, "deploying", "every 2s")], start)
+    track_jobs(backend.ledger_engine, [(641, "deploying", "every 2s")], start)
     with backend.ledger_engine.begin() as conn:
-        ledger.register(conn, "r-old", [(641, "deploying", schedule_text(old))], set(), start)
-        ledger.register(conn, "r-new", [(641, "deploying", schedule_text(new))], {"r-old"}, start)
+        register(conn, "r-old", [(641, "deploying", schedule_text(old))], set(), start)
+        register(conn, "r-new", [(641, "deploying", schedule_text(new))], {"r-old"}, start)
     keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
     sweep_missed(keeper, now - timedelta(seconds=60), now)
     with backend.ledger_engine.connect() as conn:
-        missed = [r.scheduled_at for r in ledger.history(conn, ledger.TickFilter(641, limit=1000))]
+        missed = [r.scheduled_at for r in history(conn, TickFilter(641, limit=1000))]
     assert missed  # nobody claimed anything here: the common ticks are missed ...
     assert all(t.timestamp() % 6 == 0 for t in missed)  # ... and only those (every 6 s)
 
@@ -240,22 +244,18 @@ def test_a_fleet_that_comes_back_with_a_new_schedule_explains_every_old_tick(bac
     backend = backend_factory("h")
     now = datetime.now(UTC).replace(microsecond=0)
     down = now - timedelta(seconds=100)  # the old fleet's last replica died here
-    ledger.track_jobs(
-        backend.ledger_engine, [(651, "changed", "every 2s")], now - timedelta(hours=1)
-    )
+    track_jobs(backend.ledger_engine, [(651, "changed", "every 2s")], now - timedelta(hours=1))
     with backend.ledger_engine.begin() as conn:
-        ledger.register(
+        register(
             conn, "r-old", [(651, "changed", schedule_text(old))], set(), now - timedelta(hours=1)
         )
         back = now - timedelta(seconds=40)  # the new fleet's first replica started here
-        ledger.register(conn, "r-new", [(651, "changed", schedule_text(new))], set(), back)
-        ledger.supersede(conn, {"r-new"}, back)  # r-old is gone: its schedule ends
+        register(conn, "r-new", [(651, "changed", schedule_text(new))], set(), back)
+        supersede(conn, {"r-new"}, back)  # r-old is gone: its schedule ends
     keeper = Housekeeping(backend, Catalog((new,)), Settings(instance_name="r-new"))
     sweep_missed(keeper, down - timedelta(seconds=1), now)
     with backend.ledger_engine.connect() as conn:
-        missed = sorted(
-            r.scheduled_at for r in ledger.history(conn, ledger.TickFilter(651, limit=1000))
-        )
+        missed = sorted(r.scheduled_at for r in history(conn, TickFilter(651, limit=1000)))
     cutoff = now - new.misfire_grace - MISSED_MARGIN
     old_ticks = [t for t in missed if t < back]
     new_ticks = [t for t in missed if t > back]
@@ -278,10 +278,8 @@ def test_a_replica_takes_over_the_registrations_of_gone_replicas_with_its_schedu
     first = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
     with backend.ledger_engine.begin() as conn:
         for n in range(5):  # five restarts of a one-replica fleet, each under a new name
-            ledger.register(
-                conn, f"r{n}", [(661, "steady", text)], set(), first + timedelta(minutes=n)
-            )
-        rows = ledger.registrations_of(conn, [661])
+            register(conn, f"r{n}", [(661, "steady", text)], set(), first + timedelta(minutes=n))
+        rows = registrations_of(conn, [661])
     assert [(r.instance, r.since) for r in rows] == [("r4", first)]
 
 
@@ -297,8 +295,8 @@ def test_a_sweep_cut_short_after_its_election_loses_no_missed_tick(backend_facto
     track(backend, job, now - timedelta(minutes=2))
     with backend.ledger_engine.begin() as conn:  # the last sweeps were two minutes ago
         conn.execute(
-            update(ledger.maintenance)
-            .where(ledger.maintenance.c.task.in_(["sweep", "missed"]))
+            update(tables.maintenance)
+            .where(tables.maintenance.c.task.in_(["sweep", "missed"]))
             .values(last_run_at=now - timedelta(minutes=2))
         )
     recorded = keeper.sweep_missed
@@ -312,15 +310,15 @@ def test_a_sweep_cut_short_after_its_election_loses_no_missed_tick(backend_facto
     keeper.sweep_missed = recorded  # type: ignore[method-assign]
     with backend.ledger_engine.begin() as conn:  # the next sweep is due
         conn.execute(
-            update(ledger.maintenance)
-            .where(ledger.maintenance.c.task == "sweep")
+            update(tables.maintenance)
+            .where(tables.maintenance.c.task == "sweep")
             .values(last_run_at=now - timedelta(minutes=1))
         )
     done = keeper.run_once()
     with backend.ledger_engine.connect() as conn:
         missed = [
             r.scheduled_at
-            for r in ledger.history(conn, ledger.TickFilter(641, limit=1000))
+            for r in history(conn, TickFilter(641, limit=1000))
             if r.status == "missed"
         ]
     assert done["missed"] == len(missed)

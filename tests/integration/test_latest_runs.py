@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from scheduler import ledger
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickFilter, history, latest_of
 from scheduler.statuses import FINISHED
 
 
@@ -29,16 +30,16 @@ def test_the_latest_finished_row_of_each_job_in_few_statements(backends):
             )
     statements: list[str] = []
     with backend.ledger_engine.begin() as conn:
-        conn.execute(ledger.ticks.insert(), rows)
+        conn.execute(tables.ticks.insert(), rows)
     with backend.ledger_engine.connect() as conn:
         from sqlalchemy import event
 
         event.listen(conn, "before_cursor_execute", lambda *a: statements.append(a[2]))
-        found = ledger.latest_of(conn, keys, FINISHED)
+        found = latest_of(conn, keys, FINISHED)
         statements_used = len([s for s in statements if "scheduler_ticks" in s])
         expected = {}
         for key in keys:
-            newest = ledger.history(conn, ledger.TickFilter(key=key, statuses=FINISHED, limit=1))
+            newest = history(conn, TickFilter(key=key, statuses=FINISHED, limit=1))
             if newest:
                 expected[key] = newest[0]
     assert statements_used == 3  # 250 jobs, a hundred at a time

@@ -21,12 +21,12 @@ import psycopg
 import pytest
 from sqlalchemy import update
 
-from scheduler import ledger
 from scheduler.backends.base import Intent
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.embedded_steps import Steps
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.gate import Gate
+from scheduler.ledger import tables
 from scheduler.observers import events
 from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
 
@@ -186,15 +186,15 @@ def _stale_row(replica: Replica, key: int, name: str) -> None:
     tick = now_tick(-20)
     with replica.backend.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert().values(
+            tables.ticks.insert().values(
                 job_key=key, scheduled_at=tick, job_name=name, status="running",
                 instance="dead", run_id=1, started_at=tick,
             )
         )  # fmt: skip
-        streak = update(ledger.jobs).where(ledger.jobs.c.job_key == key)
+        streak = update(tables.jobs).where(tables.jobs.c.job_key == key)
         if not conn.execute(streak.values(consecutive_skips=2)).rowcount:
             conn.execute(
-                ledger.jobs.insert().values(
+                tables.jobs.insert().values(
                     job_key=key, job_name=name, tracked_since=tick, consecutive_skips=2
                 )
             )
@@ -379,8 +379,8 @@ class _Desk:
 def _retry_pending(replica: Replica, key: int) -> bool:
     with replica.backend.ledger_engine.connect() as conn:
         rows = conn.execute(
-            ledger.ticks.select().where(
-                ledger.ticks.c.job_key == key, ledger.ticks.c.retry_at.is_not(None)
+            tables.ticks.select().where(
+                tables.ticks.c.job_key == key, tables.ticks.c.retry_at.is_not(None)
             )
         ).all()
     return bool(rows)
@@ -390,7 +390,7 @@ def _retry_due_now(replica: Replica, key: int) -> None:
     past = datetime.now(UTC) - timedelta(seconds=1)
     with replica.backend.ledger_engine.begin() as conn:
         conn.execute(
-            update(ledger.ticks)
-            .where(ledger.ticks.c.job_key == key, ledger.ticks.c.retry_at.is_not(None))
+            update(tables.ticks)
+            .where(tables.ticks.c.job_key == key, tables.ticks.c.retry_at.is_not(None))
             .values(retry_at=past)
         )

@@ -14,11 +14,11 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.config.settings import Settings
 from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.ledger.job_states import job_states
 from scheduler.registry.catalog import Catalog
 from tests.support import make_job, wait_for
 
@@ -156,9 +156,7 @@ def test_claims_finishes_and_sweeps_running_together_never_deadlock(database_url
                 with keeper.backend.ledger_engine.begin() as conn:
                     now = keeper.backend.now(conn)
                     keeper.sweep_crashed(conn, now)
-                    keeper.sweep_missed(
-                        conn, ledger.job_states(conn), now - timedelta(seconds=60), now
-                    )
+                    keeper.sweep_missed(conn, job_states(conn), now - timedelta(seconds=60), now)
         except BaseException as exc:
             errors.append(exc)
 

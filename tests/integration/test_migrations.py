@@ -15,11 +15,11 @@ import pytest
 from psycopg import sql
 from sqlalchemy import Table, create_engine, inspect
 
-from scheduler import ledger
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.backends.migrations import manifest
 from scheduler.backends.postgres import PostgresBackend
 from scheduler.backends.schema import CURRENT_VERSION
+from scheduler.ledger import tables
 from scheduler.statuses import Status
 from tests.ledger_schema import differences, postgres_schema, sqlite_schema
 from tests.support import ROOT, with_database
@@ -207,7 +207,7 @@ def test_an_edited_migration_file_is_refused(monkeypatch):
 
 
 def test_the_queries_tables_are_the_ones_the_files_make(new_database, tmp_path):
-    """ledger.py describes the tables for the queries: same columns, keys and nullability."""
+    """ledger/tables.py describes the tables for the queries: same columns, keys, nullability."""
     url = new_database()
     migrate_postgres(url)
     migrate_embedded(tmp_path / "scheduler.db")
@@ -215,8 +215,8 @@ def test_the_queries_tables_are_the_ones_the_files_make(new_database, tmp_path):
         engine = create_engine(made if isinstance(made, str) else f"sqlite:///{made}/scheduler.db")
         with engine.connect() as conn:
             found = inspect(conn)
-            for table in ledger.metadata.sorted_tables:
-                if engine.dialect.name == "sqlite" and table is ledger.functions_installed:
+            for table in tables.metadata.sorted_tables:
+                if engine.dialect.name == "sqlite" and table is tables.functions_installed:
                     continue
                 assert described(table) == made_so(found, table.name), table.name
         engine.dispose()

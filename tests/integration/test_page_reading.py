@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import insert
 from sqlalchemy.exc import DBAPIError
 
-from scheduler import ledger
+from scheduler.ledger import tables
 from scheduler.web.reading import ReadingBackend
 from tests.unit.conftest import page_of, two_jobs
 from tests.unit.test_page_fuzz import filled, walk_every_get
@@ -47,6 +47,6 @@ def test_a_reading_transaction_is_refused_writes_by_postgresql(page):
         pytest.raises(DBAPIError, match="read-only transaction"),
         reader.ledger_engine.begin() as conn,
     ):
-        conn.execute(insert(ledger.ticks).values(**row))
+        conn.execute(insert(tables.ticks).values(**row))
     with page.backend.ledger_engine.begin() as conn:  # the pool still writes
-        conn.execute(insert(ledger.ticks).values(**row))
+        conn.execute(insert(tables.ticks).values(**row))

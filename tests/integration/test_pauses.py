@@ -6,12 +6,15 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.backends.base import Intent, Outcome
 from scheduler.config.settings import Settings
 from scheduler.fleet import pauses
 from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
 from scheduler.fleet.status import fleet_status
+from scheduler.ledger import tables
+from scheduler.ledger.job_states import job_states, track_jobs
+from scheduler.ledger.outbox import adopt_notices
+from scheduler.ledger.registrations import register
 from scheduler.registry.catalog import Catalog, schedule_text
 from tests.integration.test_gate_protocol import KEY, claim, finish, rows, tick
 from tests.support import make_job
@@ -29,13 +32,13 @@ def resume(backend, by: str = "ops@bastion", key: int = KEY):
 
 def notices(backend) -> list[dict]:
     with backend.ledger_engine.connect() as conn:
-        found = conn.execute(select(ledger.notices).order_by(ledger.notices.c.id))
+        found = conn.execute(select(tables.notices).order_by(tables.notices.c.id))
         return [dict(row._mapping) for row in found]
 
 
 def skip_streak(backend) -> int:
     with backend.ledger_engine.connect() as conn:
-        return int(ledger.job_states(conn).get(KEY, {}).get("consecutive_skips") or 0)
+        return int(job_states(conn).get(KEY, {}).get("consecutive_skips") or 0)
 
 
 def test_a_paused_jobs_tick_is_recorded_paused_once_for_the_fleet(backends):
@@ -93,7 +96,7 @@ def test_resume_lets_the_next_tick_run_and_each_change_raises_one_notice(backend
     # Raised by a command, not a replica: no lease, so the next live replica adopts them.
     assert all(n["lease_by"] is None and n["done_at"] is None for n in sent)
     with a.ledger_engine.begin() as conn:
-        adopted = ledger.adopt_notices(conn, "a", datetime.now(UTC) + timedelta(seconds=1))
+        adopted = adopt_notices(conn, "a", datetime.now(UTC) + timedelta(seconds=1))
     assert adopted == [n["id"] for n in sent]
 
 
@@ -114,17 +117,15 @@ def test_the_sweep_records_ticks_of_a_paused_job_paused_and_earlier_ones_missed(
     job = make_job(KEY, lambda ctx: None, name="job")  # every 1 s, 30 s grace
     keeper = Housekeeping(backend, Catalog((job,)), Settings(instance_name="hk"))
     now = datetime.now(UTC).replace(microsecond=0)
-    ledger.track_jobs(backend.ledger_engine, [(KEY, "job", "every 1s")], now - timedelta(minutes=5))
+    track_jobs(backend.ledger_engine, [(KEY, "job", "every 1s")], now - timedelta(minutes=5))
     with backend.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.fleet.due)
-        ledger.register(
-            conn, "h", [(KEY, "job", schedule_text(job))], set(), now - timedelta(minutes=5)
-        )
+        register(conn, "h", [(KEY, "job", schedule_text(job))], set(), now - timedelta(minutes=5))
     cutoff = now - job.misfire_grace - MISSED_MARGIN
     paused_at = cutoff - timedelta(seconds=10)
     with backend.ledger_engine.begin() as conn:
         pauses.pause(conn, KEY, "job", by="ops", reason=None, now=paused_at)
         recorded = Housekeeping.sweep_missed(
-            keeper, conn, ledger.job_states(conn), now - timedelta(seconds=60), now
+            keeper, conn, job_states(conn), now - timedelta(seconds=60), now
         )
     found = rows(backend)
     missed = sorted(t for t, r in found.items() if r["status"] == "missed")

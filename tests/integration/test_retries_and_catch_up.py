@@ -9,8 +9,11 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.backends.base import FinishRequest, Intent, Outcome
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickFilter, history
+from scheduler.ledger.missed import existing_ticks
+from scheduler.ledger.retention import prune_batch
 from scheduler.statuses import CRASHED_LOST_LOCK
 from tests.integration.test_gate_protocol import KEY, LATER, claim, die, finish, tick
 
@@ -36,14 +39,14 @@ def retries(backend, keys=(KEY,), capacity=10):
 
 
 def row(backend, at: datetime) -> dict:
-    t = ledger.ticks
+    t = tables.ticks
     with backend.ledger_engine.connect() as conn:
         found = conn.execute(select(t).where(t.c.job_key == KEY, t.c.scheduled_at == at)).one()
     return dict(found._mapping)
 
 
 def streak(backend) -> int:
-    j = ledger.jobs
+    j = tables.jobs
     with backend.ledger_engine.connect() as conn:
         found = conn.execute(select(j.c.consecutive_failures).where(j.c.job_key == KEY)).scalar()
     return found or 0
@@ -69,7 +72,7 @@ def test_a_failed_attempt_is_retried_once_for_the_fleet_and_its_attempts_are_kep
     # It succeeds: the tick's final status is its last attempt's; the first is kept.
     finish(winner, second, "succeeded")
     with a.ledger_engine.connect() as conn:
-        (shown,) = ledger.history(conn, ledger.TickFilter(key=KEY))
+        (shown,) = history(conn, TickFilter(key=KEY))
     assert shown.status == "succeeded" and shown.attempt == 2
     assert [x["attempt"] for x in shown.attempts] == [1]
     assert shown.attempts[0]["status"] == "failed" and shown.attempts[0]["error"] == "boom"
@@ -169,7 +172,7 @@ def test_caught_up_ticks_take_the_lock_first_and_wait_instead_of_skipping(backen
     held = claim(b, newer, Intent.CATCH_UP, grace=120)
     assert held.outcome is Outcome.HELD
     with a.ledger_engine.connect() as conn:
-        assert not ledger.existing_ticks(conn, [(KEY, newer)])
+        assert not existing_ticks(conn, [(KEY, newer)])
     # Another replica trying the older one waits while it runs, then finds it taken.
     assert claim(b, older, Intent.CATCH_UP, grace=120).outcome is Outcome.HELD
     finish(a, ran)
@@ -197,7 +200,7 @@ def test_history_pages_show_attempts_without_a_query_per_row(backends):
         finish(a, again)
     started = time.monotonic()
     with a.ledger_engine.connect() as conn:
-        shown = ledger.history(conn, ledger.TickFilter(key=KEY))
+        shown = history(conn, TickFilter(key=KEY))
     assert time.monotonic() - started < 5
     assert len(shown) == 5 and all(len(r.attempts) == 1 for r in shown)
     assert all(r.as_json()["attempts"][0]["status"] == "failed" for r in shown)
@@ -262,22 +265,22 @@ def test_pruning_takes_a_ticks_attempts_with_it_and_keeps_a_pending_retry(backen
     base = {"job_key": KEY, "job_name": "job", "instance": "a", "attempt": 2}
     with a.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert(),
+            tables.ticks.insert(),
             [
                 {**base, "scheduled_at": done_at, "status": "succeeded", "retry_at": None},
                 {**base, "scheduled_at": pending_at, "status": "failed", "retry_at": old},
             ],
         )
         conn.execute(
-            ledger.attempts.insert(),
+            tables.attempts.insert(),
             [
                 {"job_key": KEY, "scheduled_at": at, "attempt": 1, "status": "failed"}
                 for at in (done_at, pending_at)
             ],
         )
     with a.ledger_engine.begin() as conn:
-        assert ledger.prune_batch(conn, datetime.now(UTC) - timedelta(days=1)) == 1
+        assert prune_batch(conn, datetime.now(UTC) - timedelta(days=1)) == 1
     with a.ledger_engine.connect() as conn:
-        left = conn.execute(select(ledger.attempts.c.scheduled_at)).scalars().all()
-        ticks_left = conn.execute(select(ledger.ticks.c.scheduled_at)).scalars().all()
+        left = conn.execute(select(tables.attempts.c.scheduled_at)).scalars().all()
+        ticks_left = conn.execute(select(tables.ticks.c.scheduled_at)).scalars().all()
     assert left == [pending_at] and ticks_left == [pending_at]

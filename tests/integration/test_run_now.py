@@ -8,11 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent
 from scheduler.config.settings import Settings
 from scheduler.fleet import run_now
 from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.ledger.orphans import mark_crashed
+from scheduler.ledger.run_now import RunRequest, settle_ended_requests, settle_request
 from scheduler.registry.catalog import Catalog
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
 from tests.integration.test_gate_protocol import die
@@ -124,9 +125,9 @@ def test_a_run_marked_crashed_settles_its_request_in_housekeeping(backends):
     run = manual(a)
     with a.ledger_engine.begin() as conn:
         now = a.now(conn)
-        assert ledger.mark_crashed(conn, KEY, run.run_id, CRASHED_FOUND_BY_SWEEP, now)
-        assert ledger.settle_ended_requests(conn, now) == 1
-        assert ledger.settle_ended_requests(conn, now) == 0  # once
+        assert mark_crashed(conn, KEY, run.run_id, CRASHED_FOUND_BY_SWEEP, now)
+        assert settle_ended_requests(conn, now) == 1
+        assert settle_ended_requests(conn, now) == 0  # once
     answer = look(a, request)
     assert (answer.phase, answer.status, answer.run_id) == ("settled", "crashed", run.run_id)
 
@@ -185,7 +186,7 @@ def test_a_run_a_later_request_became_is_not_an_earlier_one_s(backends):
     request = taken(a)
     run = manual(a)
     with a.ledger_engine.begin() as conn:
-        ledger.settle_request(
+        settle_request(
             conn,
             request,
             outcome="run",
@@ -202,7 +203,7 @@ def test_a_request_that_meets_its_job_running_says_where_and_since_when(backends
     first, second = taken(a), taken(a)
     run = manual(a)
     desk = run_now.Desk(a.ledger_engine, lambda: None, lambda: datetime.now(UTC))
-    desk.settle(ledger.RunRequest(second, KEY, "job", "ops"), "held", None, None, "held by a")
+    desk.settle(RunRequest(second, KEY, "job", "ops"), "held", None, None, "held by a")
     answer = look(a, second)
     since = run.started_at.isoformat(timespec="milliseconds")
     assert answer.line() == f"job: not run: already running on a (run {run.run_id}, since {since})"

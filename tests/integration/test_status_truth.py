@@ -10,12 +10,16 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.cli.tables import lasted
 from scheduler.config.settings import JobConfig, Settings
 from scheduler.fleet.housekeeping import ORPHANED_RETRY_GRACE, Housekeeping, named
 from scheduler.fleet.status import fleet_status, running_words
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickFilter, history
+from scheduler.ledger.registrations import mark_seen, register
+from scheduler.ledger.retention import prune_batch
+from scheduler.ledger.times import iso
 from scheduler.registry.catalog import Catalog
 from tests.support import make_job
 
@@ -70,13 +74,13 @@ def test_a_dead_replicas_run_is_shown_gone_at_once_and_swept_with_what_is_known(
     now = datetime.now(UTC)
     started = now - timedelta(seconds=100)
     with alive.ledger_engine.begin() as conn:  # "dead" ran it, was seen 42 s in, then died
-        conn.execute(ledger.ticks.insert(), [running_row(ORPHAN, "orphan", "dead", started, 90)])
-        ledger.mark_seen(conn, "dead", started + timedelta(seconds=42))
+        conn.execute(tables.ticks.insert(), [running_row(ORPHAN, "orphan", "dead", started, 90)])
+        mark_seen(conn, "dead", started + timedelta(seconds=42))
     claim(alive, HELD, "held", now.replace(microsecond=0))  # alive, holding its lock
     status = fleet_status(alive, jobs(), now)
     gone, held = state_of(status, "orphan")["running"], state_of(status, "held")["running"]
     assert gone["replica_gone"] and not held["replica_gone"]
-    assert gone["last_seen"] == ledger.iso(started + timedelta(seconds=42))
+    assert gone["last_seen"] == iso(started + timedelta(seconds=42))
     said = running_words(gone, str)
     assert said.endswith(f"replica gone, not yet marked, last seen {gone['last_seen']}")
     assert running_words(held, str) == f"on alive since {held['since']}"
@@ -90,7 +94,7 @@ def test_a_dead_replicas_run_is_shown_gone_at_once_and_swept_with_what_is_known(
     tick = started.replace(microsecond=0).isoformat()
     assert f"marked 1 run(s) crashed, their replica gone: orphan tick {tick} on dead" in caplog.text
     with alive.ledger_engine.connect() as conn:
-        (row,) = ledger.history(conn, ledger.TickFilter(key=ORPHAN, limit=1))
+        (row,) = history(conn, TickFilter(key=ORPHAN, limit=1))
     assert row.status == "crashed" and row.duration_s == pytest.approx(42.0)
     assert lasted(row.status, row.duration_s) == "at least 42s"
     assert state_of(fleet_status(alive, jobs(), now), "orphan")["running"] is None
@@ -105,8 +109,8 @@ def test_a_run_past_its_timeout_is_shown_so_from_when_it_passed_it(backends):
     later = fleet_status(alive, jobs(), now + timedelta(seconds=30))
     running = state_of(later, "slow")["running"]
     since = datetime.fromisoformat(running["since"]) + timedelta(seconds=1)
-    assert running["past_timeout_since"] == ledger.iso(since)
-    assert running_words(running, str).endswith(f": past its timeout since {ledger.iso(since)}")
+    assert running["past_timeout_since"] == iso(since)
+    assert running_words(running, str).endswith(f": past its timeout since {iso(since)}")
 
 
 def test_a_log_line_names_a_few_and_counts_the_rest():
@@ -127,22 +131,22 @@ def test_a_retry_of_a_job_no_live_replica_has_ends_after_a_grace_and_is_pruned(b
     retry_at = [overdue, now - timedelta(minutes=1), overdue]
     with alive.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert(),
+            tables.ticks.insert(),
             [{**r, "retry_at": at} for r, at in zip(rows, retry_at, strict=True)],
         )
-        ledger.register(conn, "gone", [(ORPHAN, "orphan", "x"), (HELD, "held", "x")], set(), now)
-        ledger.register(conn, "alive", [(HELD, "held", "x")], {"gone"}, now)
+        register(conn, "gone", [(ORPHAN, "orphan", "x"), (HELD, "held", "x")], set(), now)
+        register(conn, "alive", [(HELD, "held", "x")], {"gone"}, now)
     keeper = Housekeeping(alive, jobs(), Settings(instance_name="alive"))
     with alive.ledger_engine.begin() as conn:
         assert keeper.end_orphaned_retries(conn, now, {"alive"}) == 1
     with alive.ledger_engine.begin() as conn:
         assert keeper.end_orphaned_retries(conn, now, {"alive"}) == 0  # done once
     with alive.ledger_engine.connect() as conn:
-        found = {r.scheduled_at: r for r in ledger.history(conn, ledger.TickFilter(limit=10))}
+        found = {r.scheduled_at: r for r in history(conn, TickFilter(limit=10))}
     ended = found[rows[0]["scheduled_at"]]
     assert ended.status == "failed" and ended.retry_at is None
     assert ended.error == "boom; not retried: no live replica runs this job"
     assert found[rows[1]["scheduled_at"]].retry_at is not None  # within the grace
     assert found[rows[2]["scheduled_at"]].retry_at is not None  # a live replica has the job
     with alive.ledger_engine.begin() as conn:  # final now: retention takes it
-        assert ledger.prune_batch(conn, now - timedelta(days=1)) == 1
+        assert prune_batch(conn, now - timedelta(days=1)) == 1

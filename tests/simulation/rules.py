@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.config.schedules import _ticks
+from scheduler.ledger import tables
 from scheduler.observers import alerts
 from scheduler.observers.notices import GIVE_UP_AFTER
 from tests.simulation.outbox import outbox_clock
@@ -216,7 +216,7 @@ def _ledger(world: World) -> tuple[Jobs, Outbox]:
     """The jobs' streaks (key, skips, skip alerted, failure alerted, failures) and the
     outbox's rows (id, event, job, outcome): read once per step for every rule."""
     if world.ledger_read[0] != world.played:
-        j, n = ledger.jobs, ledger.notices
+        j, n = tables.jobs, tables.notices
         streaks = select(
             j.c.job_key, j.c.consecutive_skips, j.c.skip_alerted, j.c.fail_alerted,
             j.c.consecutive_failures,
@@ -318,7 +318,7 @@ def every_tick_explained(world: World) -> None:
     replica (a session holding the presence lock) had the job is nobody's to record."""
     if not world.swept:
         return
-    t = ledger.ticks
+    t = tables.ticks
     with world.site.engine.connect() as conn:
         rows = conn.execute(select(t.c.job_key, t.c.scheduled_at, t.c.manual)).all()
     for key, held in world.history.items():
@@ -377,7 +377,7 @@ def every_notice_delivered(world: World) -> None:
     written to the outbox is delivered at least once by some live replica, whoever raised
     it, however many of its attempts failed, whichever replica died holding its lease; it
     is given up only 15 minutes after it was raised."""
-    n = ledger.notices
+    n = tables.notices
     query = select(n.c.id, n.c.event, n.c.job_key, n.c.outcome, n.c.raised_at).order_by(n.c.id)
     with world.site.engine.connect() as conn:
         rows = conn.execute(query).all()

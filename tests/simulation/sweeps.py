@@ -18,9 +18,11 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, update
 
-from scheduler import ledger
 from scheduler.config.settings import Settings
 from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.ledger import tables
+from scheduler.ledger.job_states import track_jobs
+from scheduler.ledger.registrations import Registration
 from scheduler.registry.catalog import Catalog, CatalogJob
 
 RETAINED = 3 * 365  # days: retention is not what is simulated
@@ -62,7 +64,7 @@ def missed_bound(job: CatalogJob, sweep_now: datetime) -> datetime:
     return sweep_now - swept(job).missed_after - MISSED_MARGIN
 
 
-def write_registrations(engine: Engine, made: list[ledger.Registration]) -> None:
+def write_registrations(engine: Engine, made: list[Registration]) -> None:
     if not made:
         return
     rows = [
@@ -77,12 +79,12 @@ def write_registrations(engine: Engine, made: list[ledger.Registration]) -> None
         for r in made
     ]
     with engine.begin() as conn:
-        conn.execute(insert(ledger.registrations), rows)
+        conn.execute(insert(tables.registrations), rows)
 
 
 def end_registrations(engine: Engine, instance: str, until: datetime) -> None:
     """A replica's schedules end where the world says its process ended."""
-    r = ledger.registrations
+    r = tables.registrations
     with engine.begin() as conn:
         conn.execute(
             update(r).where(r.c.instance == instance, r.c.until.is_(None)).values(until=until)
@@ -92,4 +94,4 @@ def end_registrations(engine: Engine, instance: str, until: datetime) -> None:
 def track(engine: Engine, catalog: dict[int, CatalogJob], since: datetime) -> None:
     """Each job is known to the ledger from when the first fleet ran it."""
     entries = [(job.key, job.name, job.describe()) for job in catalog.values()]
-    ledger.track_jobs(engine, entries, since)
+    track_jobs(engine, entries, since)

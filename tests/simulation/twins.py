@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
-from scheduler import ledger
+from scheduler.ledger import tables
 
 # Each table's compared columns: what the fleet decided, not when a clock said it happened.
 Rows = dict[str, list[tuple[Any, ...]]]
@@ -33,7 +33,7 @@ Rows = dict[str, list[tuple[Any, ...]]]
 
 def rows(engine: Engine) -> Rows:
     """The settled ledger's compared columns, in one order on both backends."""
-    t, a, j, n, p = ledger.ticks, ledger.attempts, ledger.jobs, ledger.notices, ledger.pauses
+    t, a, j, n, p = tables.ticks, tables.attempts, tables.jobs, tables.notices, tables.pauses
     queries = {
         "ticks": select(
             t.c.job_key, t.c.scheduled_at, t.c.status, t.c.instance, t.c.holder, t.c.manual,

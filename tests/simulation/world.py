@@ -20,7 +20,6 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from scheduler import ledger
 from scheduler.backends.base import (
     ClaimAnswer,
     ClaimRequest,
@@ -36,6 +35,10 @@ from scheduler.fleet import catch_up, pauses
 from scheduler.fleet.housekeeping import SWEEP_EVERY
 from scheduler.gate import Gate
 from scheduler.gate.runs import Run
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickRow
+from scheduler.ledger.outbox import NOTICE_LEASE
+from scheduler.ledger.registrations import Registration
 from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules, sweeps
@@ -180,7 +183,7 @@ class World:
     # What each job's replicas registered, as the world saw it (the rule's own record),
     # and as the ledger's registrations (what catch-up plans from).
     history: dict[int, list[InForce]] = field(default_factory=dict)
-    registered: list[ledger.Registration] = field(default_factory=list)
+    registered: list[Registration] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reference = Reference(self.start - timedelta(hours=2))
@@ -198,7 +201,7 @@ class World:
             self.history.setdefault(job.key, []).append(held)
             made.append(held)
             self.registered.append(
-                ledger.Registration(name, job.key, job.name, schedule_text(job), since, until)
+                Registration(name, job.key, job.name, schedule_text(job), since, until)
             )
         sweeps.write_registrations(self.site.engine, self.registered[-len(made) :])
         return made
@@ -337,7 +340,7 @@ class World:
     def _behind_by_hand(self, key: int) -> bool:
         """A skip behind a run a person asked for counts in no streak (the newest running
         row of the job is the run that held the lock)."""
-        t = ledger.ticks
+        t = tables.ticks
         query = (
             select(t.c.manual)
             .where(t.c.job_key == key, t.c.status == "running")
@@ -547,7 +550,7 @@ class World:
             if sim.replica is replica:
                 sim.ended = True
         replica.notices = None  # what it had not delivered waits for its leases to run out
-        self.outbox_ahead += ledger.NOTICE_LEASE.total_seconds() + 1
+        self.outbox_ahead += NOTICE_LEASE.total_seconds() + 1
 
     def _reload(self, step: Step) -> None:
         """A changed config.yaml (one job's skip_alert_after), reloaded by one replica, or by
@@ -583,7 +586,7 @@ class World:
         self.faults.update(["run_now"])
 
     def _retry_due(self, step: Step) -> None:
-        t = ledger.ticks
+        t = tables.ticks
         past = datetime.now(UTC) - timedelta(seconds=1)
         with self.site.engine.begin() as conn:
             conn.execute(update(t).where(t.c.retry_at.is_not(None)).values(retry_at=past))
@@ -605,7 +608,7 @@ class World:
         assert job.trigger is not None
         if replica.gate.manual.has(job.key):
             return  # one pass per job at a time, each tick claimed once the last has answered
-        t = ledger.ticks
+        t = tables.ticks
         with self.site.engine.connect() as conn:
             have = set(
                 conn.execute(select(t.c.scheduled_at).where(t.c.job_key == job.key)).scalars()
@@ -650,10 +653,10 @@ class World:
         keeper = sweeps.keeper(replica.proxy._real, replica.catalog, self.sweep_now)
         if cut_short:
             keeper.sweep_missed = self._cut_short  # type: ignore[method-assign]
-        counted: list[ledger.TickRow] = []
+        counted: list[TickRow] = []
         count_crashes = keeper.count_crashes
 
-        def counting(conn: Any, marked: list[ledger.TickRow]) -> list[int]:
+        def counting(conn: Any, marked: list[TickRow]) -> list[int]:
             counted.extend(marked)  # runs whose replica is gone count as failed
             return count_crashes(conn, marked)
 
@@ -673,7 +676,7 @@ class World:
             done["notices"] = replica.notices.adopt_now()
         self.say(f"{replica.name} sweep: {done}")
 
-    def _swept_crashes(self, marked: list[ledger.TickRow]) -> None:
+    def _swept_crashes(self, marked: list[TickRow]) -> None:
         for row in marked:
             self.failures[row.key] = self.failures.get(row.key, 0) + 1
 
@@ -717,12 +720,12 @@ class World:
     def settle_outbox(self) -> None:
         """Leases run out, a replica's housekeeping adopts what nobody delivers, retries fall
         due: until the outbox has nothing left to deliver (a few rounds at most)."""
-        n = ledger.notices
+        n = tables.notices
         for _ in range(6):
             with self.site.engine.connect() as conn:
                 if not conn.execute(select(n.c.id).where(n.c.done_at.is_(None)).limit(1)).first():
                     return
-            self.outbox_ahead += ledger.NOTICE_LEASE.total_seconds() + 1
+            self.outbox_ahead += NOTICE_LEASE.total_seconds() + 1
             for replica in self.replicas:
                 assert replica.notices is not None
                 replica.notices.adopt_now()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.backends.base import ClaimRequest, FinishRequest, Intent
 from scheduler.backends.embedded import EmbeddedBackend
+from scheduler.ledger import tables
 
 NAMESPACE = 4242
 KEY = 77
@@ -93,7 +93,7 @@ def finish(backend: EmbeddedBackend, result, unlock: bool = True):
 
 def statuses(backend: EmbeddedBackend, key: int = KEY) -> dict[datetime, str]:
     with backend.ledger_engine.connect() as conn:
-        found = conn.execute(select(ledger.ticks).where(ledger.ticks.c.job_key == key))
+        found = conn.execute(select(tables.ticks).where(tables.ticks.c.job_key == key))
         return {r.scheduled_at: r.status for r in found}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from scheduler.fleet.agreement import Drift, Variant, live_schedules, step, words
-from scheduler.ledger import Registration
+from scheduler.ledger.registrations import Registration
 from scheduler.observers import alerts
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

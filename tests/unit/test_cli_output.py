@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import create_engine, insert
 
-from scheduler import ledger
 from scheduler.backends import EMBEDDED_FILE
 from scheduler.cli.commands import main
+from scheduler.ledger import tables
 
 
 @pytest.mark.parametrize(
@@ -53,12 +53,12 @@ def retried_ticks(tmp_path, count: int) -> None:
             at = start + timedelta(minutes=i)
             common = {"job_key": 2001, "scheduled_at": at, "instance": "r1"}
             conn.execute(
-                insert(ledger.ticks).values(
+                insert(tables.ticks).values(
                     **common, job_name="sync", status="succeeded", attempt=2, run_id=10 + 2 * i
                 )
             )
             conn.execute(
-                insert(ledger.attempts).values(
+                insert(tables.attempts).values(
                     **common, attempt=1, status="failed", run_id=9 + 2 * i, error="boom"
                 )
             )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.fleet import due
-from scheduler.ledger import Registration
+from scheduler.ledger.registrations import Registration
 from scheduler.registry.catalog import schedule_text
 from tests.unit.test_policies import job
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime, timedelta
 
-from scheduler import ledger
 from scheduler.config.settings import Settings
 from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
+from scheduler.ledger.history import TickFilter, history
+from scheduler.ledger.job_states import job_states, track_jobs
+from scheduler.ledger.registrations import register
 from scheduler.registry.catalog import Catalog, schedule_text
 from tests.support import make_job
 from tests.unit.embedded_helpers import replica
@@ -60,16 +62,14 @@ def test_the_sweep_never_records_a_tick_missed_before_it_is_due_by_the_ledgers_c
     job = make_job(631, lambda ctx: None, name="steady")  # 1 s interval, 30 s grace
     a = replica(tmp_path, "a", connect=False, clock=lambda: now)
     keeper = Housekeeping(a, Catalog((job,)), Settings(instance_name="hk"))
-    ledger.track_jobs(a.ledger_engine, [(631, "steady", "every 1s")], now - timedelta(hours=1))
+    track_jobs(a.ledger_engine, [(631, "steady", "every 1s")], now - timedelta(hours=1))
     with a.ledger_engine.begin() as conn:  # its schedule, in force (scheduler.fleet.due)
-        ledger.register(
-            conn, "a", [(631, "steady", schedule_text(job))], set(), now - timedelta(hours=1)
-        )
+        register(conn, "a", [(631, "steady", schedule_text(job))], set(), now - timedelta(hours=1))
     ahead = now + timedelta(hours=1)  # a sweep's `now` from a clock that was an hour ahead
     with a.ledger_engine.begin() as conn:
-        keeper.sweep_missed(conn, ledger.job_states(conn), now - timedelta(seconds=60), ahead)
+        keeper.sweep_missed(conn, job_states(conn), now - timedelta(seconds=60), ahead)
     with a.ledger_engine.connect() as conn:
-        recorded = [row.scheduled_at for row in ledger.history(conn, ledger.TickFilter(631))]
+        recorded = [row.scheduled_at for row in history(conn, TickFilter(631))]
     assert recorded, "the ticks that were due are recorded"
     assert max(recorded) <= now - job.missed_after - MISSED_MARGIN
     a.ledger_engine.dispose()

@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from scheduler import ledger
 from scheduler.backends import ledger_file
 from scheduler.backends.base import Outcome, Unavailable
 from scheduler.backends.embedded import LedgerBusy
@@ -25,6 +24,7 @@ from scheduler.backends.ledger_file import JOURNAL_SIZE_LIMIT
 from scheduler.config.settings import load_config
 from scheduler.errors import ConfigError
 from scheduler.fleet.status import fleet_status, history
+from scheduler.ledger.history import TickFilter
 from scheduler.registry.catalog import load_catalog
 from tests.unit.embedded_helpers import (
     Replica,
@@ -271,7 +271,7 @@ def test_status_and_history_do_not_wait_for_a_writer(tmp_path, replicas):
         reader = Replica(tmp_path / "scheduler.db", "cli")
         reader.migrate()
         catalog = load_catalog(load_config(str(config)))
-        found["history"] = history(reader, ledger.TickFilter(limit=5))
+        found["history"] = history(reader, TickFilter(limit=5))
         found["status"] = fleet_status(reader, catalog, tick())
         reader.ledger_engine.dispose()
 

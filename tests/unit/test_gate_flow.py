@@ -220,10 +220,10 @@ def test_the_ledger_keeps_the_runs_own_duration(gate_over_file):
     clock.now += 5
     settle(gate, lambda: seen.of(events.RunFinished), "the finish")
     (finished,) = seen.of(events.RunFinished)
-    from scheduler import ledger
+    from scheduler.ledger.history import TickFilter, history
 
     with backend.ledger_engine.connect() as conn:
-        (row,) = ledger.history(conn, ledger.TickFilter(91, limit=1))
+        (row,) = history(conn, TickFilter(91, limit=1))
     assert row.duration_s == round(finished.duration_s, 6)
 
 
@@ -270,12 +270,10 @@ def test_a_row_whose_error_text_cannot_be_stored_is_recorded_with_a_placeholder(
             gate.submit(job, now_tick(-1))
     settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "both finishes")
     assert all(e.recorded for e in seen.of(events.RunFinished))
-    from scheduler import ledger
+    from scheduler.ledger.history import TickFilter, history
 
     with backend.ledger_engine.connect() as conn:
-        poison, healthy = (
-            ledger.history(conn, ledger.TickFilter(key=k, limit=1))[0] for k in (96, 97)
-        )
+        poison, healthy = (history(conn, TickFilter(key=k, limit=1))[0] for k in (96, 97))
     assert (poison.status, healthy.status) == ("failed", "succeeded")
     assert poison.error.startswith("(the job's error text could not be stored: ")
 

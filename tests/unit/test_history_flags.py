@@ -66,8 +66,8 @@ def test_text_status_shows_failures_schedules_and_pauses_in_one_zone(run):
 def test_text_status_and_history_say_what_is_known_of_a_dead_replicas_runs(run, tmp_path):
     from datetime import UTC, datetime, timedelta
 
-    from scheduler import ledger
     from scheduler.backends.embedded import EmbeddedBackend
+    from scheduler.ledger import tables
 
     run("check")  # the ledger exists
     backend = EmbeddedBackend(tmp_path / "scheduler.db", instance="t", namespace=0)
@@ -76,7 +76,7 @@ def test_text_status_and_history_say_what_is_known_of_a_dead_replicas_runs(run, 
     base = {"instance": "gone-1", "started_at": at, "run_id": 1, "duration_s": None}
     with backend.ledger_engine.begin() as conn:
         conn.execute(
-            ledger.ticks.insert(),
+            tables.ticks.insert(),
             [
                 {**base, "job_key": 2001, "job_name": "sync", "scheduled_at": at,
                  "status": "running"},

@@ -13,9 +13,10 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.config.budgets import ATTEMPT_DEADLINE
+from scheduler.ledger import tables
+from scheduler.ledger.outbox import add_notice
 from scheduler.observers import alerts, events
 from scheduler.observers.notices import Notices
 from scheduler.observers.pings import Pings
@@ -51,7 +52,7 @@ def receiver() -> Iterator[RawReceiver]:
 
 def raise_notice(backend: EmbeddedBackend, job: str, key: int) -> int:
     with backend.ledger_engine.begin() as conn:
-        return ledger.add_notice(
+        return add_notice(
             conn, alerts.FAILURES_EXCEEDED, key, job,
             {"consecutive_failures": 3, "instance": "u1", "error": "disk full"},
             raised_by="u1", now=datetime.now(UTC), deliverer="u1",
@@ -60,7 +61,7 @@ def raise_notice(backend: EmbeddedBackend, job: str, key: int) -> int:
 
 def row(backend: EmbeddedBackend, notice: int) -> object:
     with backend.ledger_engine.connect() as conn:
-        return conn.execute(select(ledger.notices).where(ledger.notices.c.id == notice)).one()
+        return conn.execute(select(tables.notices).where(tables.notices.c.id == notice)).one()
 
 
 def arrived(receiver: RawReceiver, job: str) -> float | None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sqlalchemy import insert, text
 from sqlalchemy.exc import DBAPIError
 
-from scheduler import ledger
+from scheduler.ledger import tables
 from scheduler.web.query import QUERY
 from scheduler.web.reading import ReadingBackend
 from scheduler.web.routes import Page
@@ -192,11 +192,11 @@ def test_a_reading_connection_is_refused_writes_and_leaves_the_pool_writable(pro
     for begin in (reader.ledger_engine.connect, reader.ledger_engine.begin):
         with pytest.raises(DBAPIError, match="not authorized"), begin() as conn:
             conn.execute(text("SELECT 1"))
-            conn.execute(insert(ledger.ticks).values(**values))
+            conn.execute(insert(tables.ticks).values(**values))
     with reader.ledger_engine.connect() as conn:  # reading works
         assert conn.execute(text("SELECT count(*) FROM scheduler_ticks")).scalar() == 0
     with page.backend.ledger_engine.begin() as conn:  # and the same pool still writes
-        conn.execute(insert(ledger.ticks).values(**values))
+        conn.execute(insert(tables.ticks).values(**values))
     later = {**values, "scheduled_at": NOW + timedelta(minutes=1)}
     add_ticks(page, [later])
     with reader.ledger_engine.connect() as conn:
@@ -221,4 +221,4 @@ def test_a_reading_connection_that_failed_to_begin_goes_back_to_writers_writable
         event.remove(engine, "begin", busy)
     values = {"job_key": 2001, "job_name": "sync", "scheduled_at": NOW, "status": "missed"}
     with engine.begin() as conn:  # the same pooled connection, a writer's again
-        conn.execute(insert(ledger.ticks).values(**values))
+        conn.execute(insert(tables.ticks).values(**values))

@@ -12,8 +12,8 @@ from urllib.parse import quote
 import pytest
 from sqlalchemy import inspect, select
 
-from scheduler import ledger
 from scheduler.fleet import run_now
+from scheduler.ledger import tables
 from scheduler.web.routes import Page
 from scheduler.web.server import HealthServer, Reply, Request, find_route
 from tests.unit.conftest import PAGE_NOW as NOW
@@ -28,7 +28,7 @@ def dump(page: Page) -> dict[str, list[str]]:
         present = set(inspect(conn).get_table_names())  # each backend makes the tables it uses
         return {
             table.name: sorted(repr(tuple(r)) for r in conn.execute(select(table)))
-            for table in ledger.metadata.sorted_tables
+            for table in tables.metadata.sorted_tables
             if table.name in present
         }
 

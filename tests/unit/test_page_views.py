@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from scheduler import ledger
+from scheduler.ledger import tables
 from scheduler.web import timeline
 from scheduler.web.auth import Guard
 from scheduler.web.routes import Page
@@ -96,7 +96,7 @@ def ask(page: Page, method: str, target: str, body: str = "", **headers: str):
 
 def add_ticks(page: Page, rows: list[dict]) -> None:
     with page.backend.ledger_engine.begin() as conn:
-        conn.execute(ledger.ticks.insert(), rows)
+        conn.execute(tables.ticks.insert(), rows)
 
 
 def row(n: int, status: str = "succeeded", instance: str = "unit-1", error: str | None = None):

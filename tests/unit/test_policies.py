@@ -15,7 +15,8 @@ import pytest
 from scheduler.config.settings import JobConfig
 from scheduler.fleet.catch_up import fleet_up, plan
 from scheduler.gate import Gate
-from scheduler.ledger import Registration
+from scheduler.ledger import tables
+from scheduler.ledger.registrations import Registration
 from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.registry.jobs import JobSpec
@@ -279,7 +280,6 @@ def test_a_retry_due_while_the_jobs_next_tick_runs_is_taken_when_that_run_ends(t
     that fell due meanwhile is taken at once, not at the next heartbeat."""
     from sqlalchemy import update
 
-    from scheduler import ledger
     from scheduler.backends.embedded import EmbeddedBackend
 
     release = threading.Event()
@@ -307,8 +307,8 @@ def test_a_retry_due_while_the_jobs_next_tick_runs_is_taken_when_that_run_ends(t
         wait_for(lambda: gate.step() or len(attempts) == 2, 10, "the next tick's run")
         with backend.ledger_engine.begin() as conn:  # the retry falls due meanwhile
             conn.execute(
-                update(ledger.ticks)
-                .where(ledger.ticks.c.job_key == 33, ledger.ticks.c.scheduled_at == first)
+                update(tables.ticks)
+                .where(tables.ticks.c.job_key == 33, tables.ticks.c.scheduled_at == first)
                 .values(retry_at=datetime.now(UTC) - timedelta(seconds=1))
             )
         gate.retries.due_in(0)

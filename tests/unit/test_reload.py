@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import ledger
 from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.config.settings import load_config
 from scheduler.daemon import Daemon, build_scheduler, reschedule
 from scheduler.errors import ConfigError
 from scheduler.fleet.reload import FileWatch, reread
+from scheduler.ledger.registrations import registrations_of
 from scheduler.registry.catalog import Catalog, load_catalog
 from tests.support import FakeMonotonic
 from tests.unit.test_schedule_groups import FakeGate, job
@@ -161,7 +161,7 @@ def test_a_reload_applies_a_valid_file_and_an_invalid_one_changes_nothing(projec
         interval = daemon.scheduler.get_job("sync").trigger
         assert interval is daemon.catalog.by_name("sync").trigger
         with backend.ledger_engine.connect() as conn:
-            found = ledger.registrations_of(conn, [3001])
+            found = registrations_of(conn, [3001])
         mine = {r.name: r.schedule for r in found if r.until is None}
         assert '"interval":1.0' in mine["sync"]
         (ended,) = [r for r in found if r.until is not None]  # kept: it judges the past

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from scheduler import ledger
 from scheduler.config.settings import JobConfig
+from scheduler.ledger import tables
+from scheduler.ledger.history import TickFilter, history
 from scheduler.observers import events
 from scheduler.observers.metrics import Metrics
 from scheduler.observers.notices import Notices
@@ -54,7 +55,7 @@ def test_a_thread_job_is_told_keeps_running_until_it_returns_and_is_recorded_fai
     (timed_out,) = seen.of(events.RunTimedOut)
     assert (timed_out.run_id, timed_out.timeout_s) == (finished.run_id, 1.0)
     with backend.ledger_engine.connect() as conn:
-        (row,) = ledger.history(conn, ledger.TickFilter(301, limit=5))
+        (row,) = history(conn, TickFilter(301, limit=5))
     assert (row.status, row.error) == ("failed", "timed out after 1s")
 
 
@@ -110,7 +111,7 @@ def test_a_time_out_raises_one_notice_and_counts(tmp_path, gate):
     metrics(event)
     notices.close()
     with backend.ledger_engine.connect() as conn:
-        (row,) = conn.execute(select(ledger.notices)).all()
+        (row,) = conn.execute(select(tables.notices)).all()
     assert (row.event, row.job_name, row.raised_by) == ("job.timed_out", "t304", "u1")
     assert '"timeout": "5m"' in row.facts and '"run_id": 17' in row.facts
     assert b'scheduler_job_timeouts_total{job="t304"} 1.0' in metrics.render()

@@ -1,0 +1,42 @@
+"""Fleet chores (the sweep, pruning) done by one replica at a time: whoever is elected."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, select, update
+
+from scheduler.ledger.tables import maintenance
+
+# "missed" is not elected: its last_run_at is how far missed ticks have been recorded.
+MAINTENANCE_TASKS = ("sweep", "prune", "missed")
+
+
+class Election(NamedTuple):
+    """A fleet chore this replica won: when it last ran (by anyone), and this run's time."""
+
+    previous: datetime
+    at: datetime  # the backend's clock as the election read it: the chore's "now"
+
+
+def elect(conn: Connection, task: str, now: Any, every: float) -> Election | None:
+    """One replica at a time does a fleet chore: whoever moves its clock forward first.
+
+    `now` is the backend's clock (PostgreSQL: ``now()``, the same for every
+    replica). Returns the election if this replica won, else None.
+    Call inside a transaction: a concurrent loser's update finds the row moved.
+    """
+    previous = conn.execute(
+        select(maintenance.c.last_run_at).where(maintenance.c.task == task)
+    ).scalar_one()
+    row = conn.execute(
+        update(maintenance)
+        .where(
+            maintenance.c.task == task,
+            maintenance.c.last_run_at <= now - timedelta(seconds=every),
+        )
+        .values(last_run_at=now)
+        .returning(maintenance.c.last_run_at)
+    ).first()
+    return Election(previous, row.last_run_at) if row else None

@@ -1,0 +1,202 @@
+"""What each replica runs (its registrations: jobs and schedules, over time), and when each
+replica was last seen alive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, delete, select, update
+
+from scheduler.ledger.tables import registrations, seen, upsert
+
+
+@dataclass(frozen=True)
+class Registration:
+    instance: str
+    key: int
+    name: str
+    schedule: str | None
+    since: datetime
+    until: datetime | None
+
+
+def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Registration]:
+    query = select(registrations)
+    if keys is not None:
+        query = query.where(registrations.c.job_key.in_(keys))
+    return [
+        Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
+        for r in conn.execute(
+            query.order_by(registrations.c.job_key, registrations.c.instance, registrations.c.since)
+        )
+    ]
+
+
+def _inheritance(
+    found: list[Registration], instance: str, live: set[str]
+) -> dict[tuple[int, str | None], datetime]:
+    """(job, schedule) of replicas now gone -> since when the fleet has run it so."""
+    heirs: dict[tuple[int, str | None], datetime] = {}
+    for r in found:
+        if r.instance != instance and r.instance not in live and r.until is None:
+            pair = (r.key, r.schedule)
+            heirs[pair] = min(r.since, heirs.get(pair, r.since))
+    return heirs
+
+
+def _take_over(
+    conn: Connection,
+    heirs: dict[tuple[int, str | None], datetime],
+    wanted: set[tuple[int, str | None]],
+    keep: list[str],
+) -> None:
+    """The gone replicas' open rows of what this one runs too: they live on in its own."""
+    inherited: dict[str | None, list[int]] = {}
+    for key, schedule in heirs:
+        if (key, schedule) in wanted:
+            inherited.setdefault(schedule, []).append(key)
+    for schedule, keys in inherited.items():
+        conn.execute(
+            delete(registrations).where(
+                registrations.c.job_key.in_(sorted(keys)),
+                registrations.c.schedule.is_not_distinct_from(schedule),
+                registrations.c.until.is_(None),
+                registrations.c.instance.not_in(keep),
+            )
+        )
+
+
+def registered_instances(conn: Connection) -> set[str]:
+    """The replicas that have some schedule in force (an open registration)."""
+    query = select(registrations.c.instance).where(registrations.c.until.is_(None)).distinct()
+    return set(conn.execute(query).scalars())
+
+
+def register(
+    conn: Connection,
+    instance: str,
+    entries: list[tuple[int, str, str | None]],
+    live: set[str],
+    now: datetime,
+) -> None:
+    """This replica's jobs and schedules, in force from now.
+
+    A schedule it already runs keeps its `since`; one that a replica now gone
+    began is taken over from then (the gone replica's row goes: the table stays
+    about one open row per live replica and job). A schedule this replica ran and
+    runs no more (a reload, a restart with another config.yaml) ends now, and its
+    row stays: the ticks from before the change are judged by it (scheduler.fleet.due).
+    """
+    found = registrations_of(conn)
+    heirs = _inheritance(found, instance, live)
+    _take_over(conn, heirs, {(key, schedule) for key, _, schedule in entries}, [*live, instance])
+    mine = {r.key: r for r in found if r.instance == instance and r.until is None}
+    rows, renamed = [], []
+    for key, name, schedule in sorted(entries):
+        known = mine.pop(key, None)
+        if known is not None and known.schedule == schedule:
+            if known.name != name:
+                renamed.append((key, name))
+            continue
+        since = heirs.get((key, schedule), now)
+        if known is not None:
+            _end(conn, known, now if since != known.since else None)
+        row = {"instance": instance, "job_key": key, "job_name": name, "schedule": schedule}
+        rows.append({**row, "since": since, "until": None})
+    for known in mine.values():  # jobs this replica no longer has
+        _end(conn, known, now)
+    for key, name in renamed:
+        conn.execute(
+            update(registrations)
+            .where(
+                registrations.c.instance == instance,
+                registrations.c.job_key == key,
+                registrations.c.until.is_(None),
+            )
+            .values(job_name=name)
+        )
+    if rows:
+        conn.execute(registrations.insert(), rows)
+
+
+def _key_of(row: Registration) -> tuple[Any, ...]:
+    return (
+        registrations.c.instance == row.instance,
+        registrations.c.job_key == row.key,
+        registrations.c.since == row.since,
+    )
+
+
+def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
+    """A schedule is no longer in force from `at` (None: it never was: its row goes)."""
+    where = _key_of(row)
+    if at is None:
+        conn.execute(delete(registrations).where(*where))
+    else:
+        conn.execute(update(registrations).where(*where).values(until=at))
+
+
+def supersede(conn: Connection, live: set[str], now: datetime) -> int:
+    """Schedules of replicas that are gone end where a live replica runs another schedule."""
+    found = registrations_of(conn)
+    running = {(r.key, r.schedule) for r in found if r.instance in live and r.until is None}
+    live_keys = {key for key, _ in running}
+    ended = 0
+    for r in found:
+        gone = r.instance not in live and r.until is None
+        if gone and r.key in live_keys and (r.key, r.schedule) not in running:
+            _end(conn, r, now)
+            ended += 1
+    return ended
+
+
+def reassert(
+    conn: Connection, instance: str, entries: list[tuple[int, str, str | None]], now: Any
+) -> int:
+    """A live replica's schedules are in force, whatever another replica concluded while
+    this one was starting (registered, not yet live) or reconnecting: see `supersede`,
+    and `register`, which takes over the rows of a replica that looks gone. Returns how
+    many rows it put back.
+
+    Its newest row of each of its jobs (`entries`) is reopened if it is this schedule's,
+    and one from now is added if it is gone or another; the rows its own changes ended
+    stay ended.
+    """
+    query = select(registrations).where(registrations.c.instance == instance)
+    newest = {r.job_key: r for r in conn.execute(query.order_by(registrations.c.since))}
+    put_back = 0
+    for key, name, schedule in entries:
+        row = newest.get(key)
+        if row is not None and row.until is None:
+            continue
+        if row is not None and row.schedule == schedule:
+            found = Registration(instance, key, name, schedule, row.since, row.until)
+            conn.execute(update(registrations).where(*_key_of(found)).values(until=None))
+        else:
+            conn.execute(
+                registrations.insert().values(
+                    instance=instance, job_key=key, job_name=name, schedule=schedule, since=now
+                )
+            )
+        put_back += 1
+    return put_back
+
+
+def mark_seen(conn: Connection, instance: str, now: Any) -> None:
+    """This replica is alive now (see `seen`)."""
+    statement = upsert(conn, seen).values(instance=instance, seen_at=now)
+    conn.execute(
+        statement.on_conflict_do_update(
+            index_elements=[seen.c.instance], set_={"seen_at": statement.excluded.seen_at}
+        )
+    )
+
+
+def seen_at(conn: Connection, instances: list[str]) -> dict[str, datetime]:
+    """When each of these replicas was last known to be alive (those it knows)."""
+    if not instances:
+        return {}
+    query = select(seen.c.instance, seen.c.seen_at).where(seen.c.instance.in_(instances))
+    return {row.instance: row.seen_at for row in conn.execute(query)}
