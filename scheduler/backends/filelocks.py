@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler.backends import lock_holders as holders
+from scheduler.backends import presence
 from scheduler.backends.lock_holders import Holder
 
 # A lock file younger than this may have replaced, at its path, one a live run still
@@ -463,18 +464,8 @@ def _repair_files(folder: Path) -> list[str]:
 
 def presence_of(folder: Path, instance: str) -> dict[str, object] | None:
     """What a live instance of this name says of itself; None if none is up."""
-    path = folder / "instances" / f"{instance}.lock"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _said(fd)
-    finally:
-        os.close(fd)
-    return None
+    found = presence.held(folder / "instances" / f"{instance}.lock", STAMP_MAX)
+    return None if found is None else _said(found)
 
 
 def live_instances(root: Path) -> list[dict[str, object]]:
@@ -482,18 +473,9 @@ def live_instances(root: Path) -> list[dict[str, object]]:
     folder = root / "instances"
     live = []
     for path in sorted(folder.glob("*.lock")) if _is_dir(folder) else []:
-        try:
-            fd = _open(path, create=False)
-        except OSError:  # gone meanwhile, a dangling link, not ours
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            live.append({"name": path.stem, **_said(fd)})
-        else:
-            path.unlink(missing_ok=True)  # under our exclusive lock: nobody holds it
-        finally:
-            os.close(fd)
+        found = presence.held(path, STAMP_MAX)  # None: gone, and its file removed
+        if found is not None:
+            live.append({"name": path.stem, **_said(found)})
     return live
 
 
@@ -577,11 +559,11 @@ def _read_holder(fd: int) -> Holder | None:
     return None
 
 
-def _said(fd: int) -> dict[str, object]:
+def _said(data: bytes) -> dict[str, object]:
     """What a presence file says: since when, and what its keeper had to mend."""
     try:
-        found = json.loads(os.pread(fd, STAMP_MAX, 0))
-    except (OSError, ValueError):
+        found = json.loads(data)
+    except ValueError:
         return {}
     if not isinstance(found, dict):
         return {}

@@ -66,32 +66,18 @@ def host_standbys(settings: Settings) -> list[str]:
 
 def standbys(path: Path) -> list[str]:
     """The names announced beside the lock by live standbys; files of gone ones removed."""
+    from scheduler.backends import presence  # only here: a replica imports this module light
+
     folder = _standby_folder(path)
     try:
         names = sorted(os.listdir(folder))
     except OSError:
         return []
-    return [name for name in names if _announced(folder / name)]
+    return [name for name in names if presence.held(folder / name) is not None]
 
 
 def _standby_folder(path: Path) -> Path:
     return path.with_name(path.name + ".standby")
-
-
-def _announced(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True  # a standby holds it
-    else:
-        path.unlink(missing_ok=True)  # nobody holds it: its standby is gone
-        return False
-    finally:
-        os.close(fd)
 
 
 class HostLock:
