@@ -17,10 +17,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import yaml
+
+if TYPE_CHECKING:
+    from scheduler.registry.catalog import CatalogJob
 
 SERVER_URL_ENV = "SCHEDULER_TEST_DATABASE_URL"
 ROOT = Path(__file__).resolve().parent.parent
@@ -498,6 +501,26 @@ def make_job(key: int, func, name: str | None = None, skip_alert_after: int = 3)
         fail_threshold=3,
         misfire_grace=timedelta(seconds=30),
     )
+
+
+class JobsDesk:
+    """The replica's jobs as its run-now desk (scheduler.fleet.run_now.Desk) gives them to
+    the gate, and no run-now request: for retries and reloads. `jobs` may be replaced."""
+
+    def __init__(self, *jobs: CatalogJob) -> None:
+        self.jobs = {job.key: job for job in jobs}
+
+    def keys(self) -> list[int]:
+        return list(self.jobs)
+
+    def enabled_keys(self) -> list[int]:
+        return [key for key, job in self.jobs.items() if job.enabled]
+
+    def job(self, key: int) -> CatalogJob | None:
+        return self.jobs.get(key)
+
+    def settle(self, *args: object) -> None:
+        return None
 
 
 class Recorder:

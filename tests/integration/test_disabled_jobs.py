@@ -19,31 +19,16 @@ from scheduler.config.settings import JobConfig
 from scheduler.gate import Gate
 from scheduler.ledger import tables
 from scheduler.observers import events
-from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
+from tests.support import FakeMonotonic, JobsDesk, Recorder, make_job, now_tick, settle, wait_for
 
 
-class Catalog:
+class Catalog(JobsDesk):
     """The replica's jobs as the run-now desk gives them; `disable` is a reload."""
-
-    def __init__(self, *jobs) -> None:
-        self.jobs = {job.key: job for job in jobs}
 
     def disable(self, key: int) -> None:
         job = self.jobs[key]
         assert job.schedule is not None
         self.jobs[key] = replace(job, schedule=job.schedule.model_copy(update={"enabled": False}))
-
-    def keys(self) -> list[int]:
-        return list(self.jobs)
-
-    def enabled_keys(self) -> list[int]:
-        return [key for key, job in self.jobs.items() if job.enabled]
-
-    def job(self, key: int):
-        return self.jobs.get(key)
-
-    def settle(self, *args) -> None:
-        return None
 
 
 def gate_on(backends, catalog: Catalog, max_workers: int = 4):

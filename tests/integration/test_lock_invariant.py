@@ -28,7 +28,7 @@ from scheduler.backends.postgres import PostgresBackend
 from scheduler.gate import Gate
 from scheduler.ledger import tables
 from scheduler.observers import events
-from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
+from tests.support import FakeMonotonic, JobsDesk, Recorder, make_job, now_tick, settle, wait_for
 
 NAMESPACE = 4545
 TABLES = ("scheduler_ticks", "scheduler_attempts", "scheduler_jobs", "scheduler_notices")
@@ -310,7 +310,7 @@ def _retry_claim_failing(
 
     job = replace(make_job(key, flaky, name=f"retry{key}"), retries=1, retry_delay=MINUTE)
     gate = replica.gate
-    gate.desk = _Desk([job])
+    gate.desk = JobsDesk(job)
     gate.submit(job, now_tick())
 
     def failed() -> bool:
@@ -357,23 +357,6 @@ def test_the_heartbeat_releases_a_stray_lock_and_says_so(replica):
         assert replica.held() == {900}
         (released,) = replica.seen.of(events.LocksReleased)
         assert released.jobs == ((77, None),) and released.after is None
-
-
-class _Desk:
-    def __init__(self, jobs) -> None:
-        self.jobs = {job.key: job for job in jobs}
-
-    def keys(self) -> list[int]:
-        return list(self.jobs)
-
-    def enabled_keys(self) -> list[int]:
-        return [key for key, job in self.jobs.items() if job.enabled]
-
-    def job(self, key: int):
-        return self.jobs.get(key)
-
-    def settle(self, *args) -> None:
-        return None
 
 
 def _retry_pending(replica: Replica, key: int) -> bool:

@@ -47,6 +47,7 @@ from tests.simulation.outbox import Heard, Receiver, SimNotices, outbox_clock
 from tests.simulation.rules import Violation
 from tests.simulation.sites import HOLDER_TIMEOUT
 from tests.simulation.steps import ARMED, CALL_FAULTS, Step
+from tests.support import JobsDesk
 
 REPLICAS = 3
 MAX_WORKERS = 3
@@ -103,25 +104,6 @@ class SimPool:
         return True
 
     def shutdown(self) -> None:
-        return None
-
-
-class Desk:
-    """The replica's jobs, for retries (no run-now requests come through the ledger here)."""
-
-    def __init__(self, catalog: dict[int, CatalogJob]) -> None:
-        self.jobs = catalog
-
-    def keys(self) -> list[int]:
-        return list(self.jobs)
-
-    def enabled_keys(self) -> list[int]:
-        return [key for key, job in self.jobs.items() if job.enabled]
-
-    def job(self, key: int) -> CatalogJob | None:
-        return self.jobs.get(key)
-
-    def settle(self, *args: object) -> None:
         return None
 
 
@@ -249,7 +231,7 @@ class World:
             listeners=(notices, Heard(self.heard)),
             clock=replica_clock,
             monotonic=self.monotonic,
-            desk=Desk(catalog),
+            desk=JobsDesk(*catalog.values()),
             workers=SimPool(lambda run: self._started(holder[0], run)),
         )
         proxy.comparable = self.comparable

@@ -21,7 +21,7 @@ from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.registry.jobs import JobSpec
 from scheduler.statuses import Status
-from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle, wait_for
+from tests.support import FakeMonotonic, JobsDesk, Recorder, make_job, now_tick, settle, wait_for
 
 
 def job(**schedule: Any) -> CatalogJob:
@@ -143,25 +143,6 @@ def test_catch_up_leaves_the_ticks_after_the_fleet_came_up_to_the_replicas_that_
     assert fleet_up(now, [], registered, {"r1"}) == now
 
 
-class JobsHere:
-    """The replica's jobs, as the daemon's run-now desk gives them to the gate."""
-
-    def __init__(self, *jobs: CatalogJob) -> None:
-        self.jobs = {j.key: j for j in jobs}
-
-    def keys(self) -> list[int]:
-        return list(self.jobs)
-
-    def enabled_keys(self) -> list[int]:
-        return [key for key, job in self.jobs.items() if job.enabled]
-
-    def job(self, key: int) -> CatalogJob | None:
-        return self.jobs.get(key)
-
-    def settle(self, *args: object) -> None:
-        return None
-
-
 def test_the_gate_retries_a_failed_tick_with_the_attempt_in_its_context(tmp_path):
     from scheduler.backends.embedded import EmbeddedBackend
 
@@ -182,7 +163,7 @@ def test_the_gate_retries_a_failed_tick_with_the_attempt_in_its_context(tmp_path
                               clock=lambda: wall[0], monotonic=clock)  # fmt: skip
     backend.migrate()
     gate = Gate(backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen],
-                clock=lambda: wall[0], monotonic=clock, desk=JobsHere(work))  # fmt: skip
+                clock=lambda: wall[0], monotonic=clock, desk=JobsDesk(work))  # fmt: skip
     try:
         gate.submit(work, now_tick(-1))
 
@@ -298,7 +279,7 @@ def test_a_retry_due_while_the_jobs_next_tick_runs_is_taken_when_that_run_ends(t
     backend.migrate()
     seen, clock = Recorder(), FakeMonotonic()
     gate = Gate(backend, instance="u1", max_workers=2, holder_timeout=30, listeners=[seen],
-                monotonic=clock, desk=JobsHere(work, other))  # fmt: skip
+                monotonic=clock, desk=JobsDesk(work, other))  # fmt: skip
     try:
         first = now_tick(-2)
         gate.submit(work, first)
