@@ -20,7 +20,7 @@ from tests.simulation.world import REPLICAS, World
 
 DEFAULT_SEEDS = 6
 DEFAULT_STEPS = 500
-DEFAULT_TWIN_STEPS = 200  # the first steps of each seed, played comparably on both backends
+DEFAULT_TWIN_STEPS = 150  # the first steps of each seed, played comparably on both backends
 FIRST_SEED = 1
 
 
