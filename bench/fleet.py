@@ -215,6 +215,8 @@ class Fleet:
     max_workers: int | None = None
     interval_s: int = 1
     first_every_second: bool = False  # job_0 ticks every second whatever interval_s is
+    anchor: datetime | None = None  # the grid's `start` (None: the epoch)
+    tree: Path | None = None  # a checkout whose `scheduler` the replicas run (None: this one)
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="scheduler-bench-")))
     replicas: list[Replica] = field(default_factory=list)
 
@@ -228,7 +230,8 @@ class Fleet:
             for i in range(self.jobs):
                 every = 1 if i == 0 and self.first_every_second else self.interval_s
                 code.append(f"@job(key={10_000 + i})\ndef job_{i}(ctx):\n    _run(ctx)\n")
-                lines.append(f"  job_{i}: {{interval: {every}}}")
+                start = f", start: '{self.anchor.isoformat()}'" if self.anchor else ""
+                lines.append(f"  job_{i}: {{interval: {every}{start}}}")
             (self.root / "jobs" / "bench_jobs.py").write_text("\n".join(code))
             (self.root / "config.yaml").write_text("\n".join(lines) + "\n")
 
@@ -269,6 +272,8 @@ class Fleet:
         )
         if self.max_workers:
             env["SCHEDULER_MAX_WORKERS"] = str(self.max_workers)
+        if self.tree is not None:  # replicas run from `root`: nothing else shadows it
+            env["PYTHONPATH"] = str(self.tree)
         if clock_offset:
             library = faketime_library()
             if library is None:

@@ -71,10 +71,11 @@ def run_fleet(
     job_seconds: float = 0.001,
     statements: bool = False,
     warmup: float = 2.0,
+    tree: Path | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, let it warm up, measure a window, stop it, check what ran."""
     database = server.create(f"{kind}{replicas}x{jobs}", log_statements=statements)
-    fleet = Fleet(kind, server, database, jobs, job_seconds, max_workers)
+    fleet = Fleet(kind, server, database, jobs, job_seconds, max_workers, tree=tree)
     log_start = server.log_offset()
     sessions: Counter[str] = Counter()
     apps: dict[int, str] = {}
