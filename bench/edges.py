@@ -3,22 +3,24 @@
     .venv/bin/python bench/edges.py [--base TREE] [--quick] [--profile DIR]
 
 3 replicas, `max_workers: 20`, jobs of 1 ms, against the local PostgreSQL (as
-bench/run.py, which runs these too). A burst: 1,000 and then 5,000 jobs on one
-minute grid, so that every job's tick falls due at the same instant; measured from the jobs'
+bench/run.py). A burst: 1,000 and then 5,000 jobs on one minute grid, so that
+every job's tick falls due at the same instant; measured from the jobs'
 evidence: when half of them and the last one started (after the tick), and
 whether each ran once. The steady run: 1,000 jobs every second for a window
-(lateness p50 and p99, and transactions per tick for the fleet, from
-`pg_stat_database`).
+(lateness p50 and p99). Transactions from `pg_stat_database`, for the fleet,
+per tick and per run.
 
 With `--base TREE` (a worktree of an earlier commit: `git worktree add
 /tmp/bench-base <commit>`), each scenario runs on TREE's `scheduler` first and
 then on this checkout's, side by side in this one run, and the ratios (this
 checkout over TREE) are printed. `--profile DIR` samples replica 0 with py-spy
-during each burst (every thread, idle ones left out) and writes DIR/<scenario>.txt:
-the functions with the most samples in which they were on the stack.
+during each burst and writes DIR/<code>-burst<N>.txt: per function, the share
+of samples it was on the stack in, for the CPU (the thread holding the GIL,
+every thread) and for the dispatcher thread's wall time (waits included).
 
 Writes the section "At the edges" of bench/RESULTS.md and `edges` in
-bench/results.json, leaving the rest of both as they are.
+bench/results.json, leaving the rest of both as they are (bench/run.py, with
+the same `--base`, measures these too, in its whole run).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class Profile:
         for name, rows in found.items():
             lines += [f"# {name} (% of samples)", *(f"{v:5.1f}%  {f}" for f, v in rows), ""]
         self.out.with_suffix(".txt").write_text("\n".join(lines))
-        return found
+        return {name: rows[:12] for name, rows in found.items()}
 
 
 def _shares(raw: Path, thread: str | None = None) -> tuple[list[tuple[str, float]], ...]:
@@ -205,6 +207,7 @@ def burst(
         "p90_s": _s(quantile(late, 0.9)),
         "last_s": _s(max(late, default=None)),
         "transactions_per_tick": round(xacts / jobs, 3),
+        "transactions_per_run": round(xacts / max(1, len(runs)), 3),
         "by_instance": dict(Counter(r["instance"] for r in runs)),
         "exit_codes": codes,
     }
@@ -226,6 +229,7 @@ def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
     return {
         **{k: r[k] for k in keys},
         "transactions_per_tick": r["transactions_per_tick"],
+        "transactions_per_run": r["transactions_per_run"],
         "cpu_per_replica_pct": r["cpu_per_replica_pct"],
     }
 
@@ -253,6 +257,10 @@ def edges(
         found = steady(server, tree, 5 if quick else 10)
         out.setdefault("steady", {})[label] = found
         log(f"  {_said(found)}")
+    out.update(date=now_iso(), commit=commit_of(BENCH))
+    if base is not None:
+        out["base_commit"] = commit_of(base)
+    out["ratios"] = ratios(out)
     return out
 
 
@@ -261,8 +269,8 @@ def _said(found: dict[str, Any]) -> str:
 
 
 RATIOS = {
-    "burst": ("half_s", "last_s", "transactions_per_tick"),
-    "steady": ("lateness_p50_ms", "lateness_p99_ms", "transactions_per_tick"),
+    "burst": ("half_s", "last_s", "transactions_per_run"),
+    "steady": ("lateness_p50_ms", "lateness_p99_ms", "transactions_per_run"),
 }
 
 
@@ -287,7 +295,7 @@ def render(edges: dict[str, Any]) -> str:
     lines = [
         SECTION,
         "",
-        f"3 replicas, `max_workers: {MAX_WORKERS}`, jobs of 1 ms; measured with",
+        f"3 replicas, `max_workers: {MAX_WORKERS}`, jobs of 1 ms; measured by",
         "`.venv/bin/python bench/edges.py"
         + (" --base TREE`" if "base" in sides else "`")
         + f" on {edges.get('date', '?')}"
@@ -300,15 +308,16 @@ def render(edges: dict[str, Any]) -> str:
         "*last*: seconds from the tick until half of the runs, and the last, had started.",
         "",
         "| burst | code | ran once | duplicates | missing | half (s) | last (s) "
-        "| transactions per tick |",
-        "|---|---|---|---|---|---|---|---|",
+        "| transactions per tick | per run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for jobs in BURSTS:
         for side in sides:
             b = edges[f"burst_{jobs}"][side]
             lines.append(
                 f"| {jobs:,} | {side} | {b['ran_once']} | {b['duplicates']} | {b['missing']} "
-                f"| {b['half_s']} | {b['last_s']} | {b['transactions_per_tick']} |"
+                f"| {b['half_s']} | {b['last_s']} | {b['transactions_per_tick']} "
+                f"| {b['transactions_per_run']} |"
             )
     lines += [
         "",
@@ -316,15 +325,15 @@ def render(edges: dict[str, Any]) -> str:
         "for the fleet):",
         "",
         "| code | ticks | ran once | duplicates | missing | lateness p50 (ms) | p99 (ms) "
-        "| transactions per tick | CPU per replica |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| transactions per tick | per run | CPU per replica |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for side in sides:
         s = edges["steady"][side]
         lines.append(
             f"| {side} | {s['ticks']} | {s['ran_once']} | {s['duplicates']} | {s['missing']} "
             f"| {s['lateness_p50_ms']} | {s['lateness_p99_ms']} | {s['transactions_per_tick']} "
-            f"| {s['cpu_per_replica_pct']}% |"
+            f"| {s['transactions_per_run']} | {s['cpu_per_replica_pct']}% |"
         )
     r = ratios(edges)
     if r:
@@ -359,11 +368,6 @@ def main() -> int:
     args = parser.parse_args()
     server = Server(SERVER)
     results = edges(server, args.base, args.quick, args.profile)
-    results.update(date=now_iso(), commit=commit_of(BENCH))
-    if args.base is not None:
-        results["base_commit"] = commit_of(args.base)
-    results["ratios"] = ratios(results)
-    print(json.dumps(results, indent=2, default=str))
     path = BENCH / "results.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
     stored["edges"] = results

@@ -291,6 +291,10 @@ def render(r: dict[str, Any]) -> str:
         f"Whole run: {r['elapsed_s']:.0f} s.",
         "",
     ]
+    if "edges" in r:
+        from edges import render as edges
+
+        out.insert(out.index("## Targets"), edges(r["edges"]))
     return "\n".join(out)
 
 

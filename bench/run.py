@@ -108,6 +108,9 @@ def run_fleet(
         exit_codes=codes,
         ticks_per_s_once=round(result["ran_once"] / result["seconds"], 1),
         transactions_per_tick=round(xacts / (jobs * elapsed), 3),
+        # per run started in the window: the same when every tick runs, and higher when a
+        # fleet that falls behind leaves ticks to the sweep (which records them in bulk)
+        transactions_per_run=round(xacts / max(1, sum(start <= r["start"] < end for r in runs)), 3),
         cpu_per_replica_pct=round(100 * sum(cpu) / len(cpu) / elapsed, 1),
         rss_mb=round(max(rss), 1),
         sessions_per_replica=max(sessions.values(), default=0),
@@ -356,6 +359,7 @@ def environment(server: Server) -> dict[str, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description="Run the benchmarks; write RESULTS.md.")
     parser.add_argument("--quick", action="store_true", help="shorter windows (smoke test)")
+    parser.add_argument("--base", type=Path, help="a checkout to measure the edges beside")
     args = parser.parse_args()
     began = time.monotonic()
     server = Server(SERVER)
@@ -416,6 +420,11 @@ def main() -> int:
             r = run_fleet(server, "ours", 3, jobs, window, max_workers=200)
             side[f"ours_{jobs}_no_skew"] = r
     results["side_by_side"] = side
+
+    from edges import edges
+
+    log("at the edges: bursts of 1,000 and 5,000 ticks, 1,000 ticks a second")
+    results["edges"] = edges(server, args.base, args.quick)
 
     log("idle load")
     results["idle"] = idle.finish()
