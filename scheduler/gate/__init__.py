@@ -418,6 +418,8 @@ class Gate:
         desk = self.desk
         if desk is None or self.table.stopping.is_set():
             return False
+        if not self.retries.due(self.table.free_slots()):
+            return False
         running = self.table.running_keys()
         keys = [key for key in desk.enabled_keys() if key not in running]
         try:

@@ -57,6 +57,11 @@ class RetryLook:
             if self._at is None or at < self._at:
                 self._at = at
 
+    def due(self, free: int) -> bool:
+        """Whether to look now (a look asks for every job's key: not at every step)."""
+        with self._mutex:
+            return self._at is not None and self._at <= self.monotonic() and free > 0
+
     def wait(self) -> float | None:
         """Seconds until the next look (None: nothing known to look for)."""
         with self._mutex:
