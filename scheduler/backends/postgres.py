@@ -419,12 +419,13 @@ class PostgresBackend:
     def claim(self, requests: Sequence[ClaimRequest], instance: str, capacity: int) -> ClaimAnswer:
         """One call to scheduler_decide, which answers every tick sent (see postgres.sql).
 
-        Sent in the order the claim takes them, so that the ticks left for lack of
-        free workers come back as one span of places, however large the burst.
+        Sent in the order given: the claim takes them in that order (oldest tick
+        first, its own share of a burst first), so that the ticks left for lack of
+        free workers come back as a few spans of places, however large the burst.
         """
         if not requests:
             return ClaimAnswer([], [], [], [])
-        requests = sorted(requests, key=lambda r: (r.scheduled_at, r.key))
+        requests = sorted(requests, key=lambda r: r.scheduled_at)  # stable: in order given
         params = {
             "ns": self.namespace,
             "instance": instance,

@@ -110,9 +110,11 @@ $$;
 --   catch_up   -> missed if past its grace (the job's catch_up_window), else running.
 --   run        -> lost if a replica owns it already; yielded if it is another live
 --                 replica's share of a burst and too young to be anyone's; else running,
---                 within p_capacity (this replica's free workers), and deferred beyond.
+--                 within p_capacity (this replica's free workers), oldest first, its own
+--                 share first, then in the order sent; beyond: deferred, or yielded if
+--                 another's share (its owner works through it: offered again shortly).
 -- Running, skipped, missed and paused are rows to insert (step 3); lost, yielded and
--- deferred are answers already, and the steps below pass them through.
+-- deferred are answers already, kept apart from the steps below (scheduler_decide).
 CREATE FUNCTION scheduler_choose(
     p_capacity integer, p_takeover double precision, p_live integer, p_rank integer,
     p_keys integer[], p_names text[], p_ticks timestamptz[], p_intents text[],
@@ -123,8 +125,8 @@ BEGIN
     RETURN QUERY
     WITH q AS (
         SELECT q.*, now() - q.tick > make_interval(secs => q.grace) AS late,
-               p_live <= 1 OR scheduler_share(q.key, p_live) = p_rank
-                   OR now() - q.tick >= make_interval(secs => p_takeover) AS mine,
+               p_live <= 1 OR scheduler_share(q.key, p_live) = p_rank AS own,
+               now() - q.tick >= make_interval(secs => p_takeover) AS anyones,
                -- A probe of the primary key per tick (never a join the planner could
                -- turn into a scan of the whole ledger).
                EXISTS (SELECT 1 FROM scheduler_ticks t
@@ -132,12 +134,13 @@ BEGIN
                q.intent <> 'manual'
                    AND EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = q.key) AS paused
           FROM unnest(p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds,
-                      p_fail_thresholds)
-               AS q(key, name, tick, intent, grace, threshold, fail_threshold)
-    ), runs AS (
+                      p_fail_thresholds) WITH ORDINALITY
+               AS q(key, name, tick, intent, grace, threshold, fail_threshold, place)
+    ), runs AS (  -- oldest first, then its own share, then in the order sent
         SELECT q.key, q.tick FROM q
-         WHERE q.intent = 'run' AND NOT q.paused AND NOT q.late AND q.mine AND NOT q.taken
-         ORDER BY q.tick, q.key LIMIT p_capacity
+         WHERE q.intent = 'run' AND NOT q.paused AND NOT q.late AND (q.own OR q.anyones)
+           AND NOT q.taken
+         ORDER BY q.tick, NOT q.own, q.place LIMIT p_capacity
     )
     SELECT q.key, q.name, q.tick, q.intent, q.threshold,
            CASE WHEN q.paused THEN 'paused'
@@ -146,8 +149,8 @@ BEGIN
                 WHEN q.late THEN 'missed'
                 WHEN q.intent = 'catch_up' THEN 'running'  -- its lock is taken first, below
                 WHEN q.taken THEN 'lost'
-                WHEN NOT q.mine THEN 'yielded'
                 WHEN runs.key IS NOT NULL THEN 'running'
+                WHEN NOT q.own THEN 'yielded'
                 ELSE 'deferred' END,
            NULL::bigint, NULL::timestamptz, NULL::text, NULL::timestamptz, NULL::boolean,
            q.fail_threshold
@@ -513,11 +516,11 @@ $$;
 -- with what its answer carries. Then the rest, by outcome, as spans of the ticks' places
 -- in the arrays sent (1-based; `_from`: a span's first place, `_counts`: its length):
 -- lost (another replica owns it), yielded (another live replica's share of a burst: try
--- again once anyone may take it) and deferred (this replica's, beyond its free workers:
--- try again when one frees). Sent in (tick, key) order, the deferred ticks are a few
--- spans, so the answer stays small however large the burst: about 100 bytes per tick
--- recorded, and the socket buffers hold it while a frozen replica reads nothing. Bursts
--- smaller than p_share_from ticks are not shared out.
+-- again shortly, after this replica's own) and deferred (this replica's, beyond its free
+-- workers: try again when one frees). Sent oldest first, its own share first, the deferred
+-- ticks are a few spans, so the answer stays small however large the burst: about 100
+-- bytes per tick recorded, and the socket buffers hold it while a frozen replica reads
+-- nothing. Bursts smaller than p_share_from ticks are not shared out.
 CREATE FUNCTION scheduler_decide(
     p_namespace integer, p_instance text, p_capacity integer, p_takeover double precision,
     p_share_from integer, p_crashed text, p_keys integer[], p_names text[],
@@ -541,12 +544,19 @@ AS $$
 DECLARE
     v_fleet record;
     v_ticks scheduler_tick[];
+    v_left scheduler_tick[];
 BEGIN
     SELECT * INTO v_fleet FROM scheduler_fleet(p_namespace);
     v_ticks := ARRAY(SELECT c FROM scheduler_choose(
         p_capacity, p_takeover,
         CASE WHEN cardinality(p_keys) < p_share_from THEN 1 ELSE v_fleet.live END, v_fleet.rank,
         p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds, p_fail_thresholds) c);
+    -- Lost, yielded and deferred ticks are answers already: the steps below take only the
+    -- rest, so that a claim of a few runs out of a large burst costs a few runs.
+    v_left := ARRAY(SELECT c FROM unnest(v_ticks) c
+                     WHERE c.fate IN ('lost', 'yielded', 'deferred'));
+    v_ticks := ARRAY(SELECT c FROM unnest(v_ticks) c
+                      WHERE c.fate NOT IN ('lost', 'yielded', 'deferred'));
     v_ticks := ARRAY(SELECT c FROM scheduler_lock_manual(p_namespace, v_ticks) c);
     v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(p_instance, v_ticks) c);
     v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
@@ -565,7 +575,7 @@ BEGIN
         SELECT q.fate, min(q.place)::integer AS first, count(*)::integer AS n
           FROM (SELECT c.fate, q.place,
                        q.place - row_number() OVER (PARTITION BY c.fate ORDER BY q.place) AS span
-                  FROM unnest(v_ticks) c
+                  FROM unnest(v_ticks || v_left) c
                   JOIN unnest(p_keys, p_ticks) WITH ORDINALITY AS q(key, tick, place)
                     ON q.key = c.key AND q.tick = c.tick
                  WHERE c.fate IN ('lost', 'yielded', 'deferred')) q

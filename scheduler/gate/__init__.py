@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 
 from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
 from scheduler.errors import one_line
+from scheduler.gate.backlog import helper_order
 from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
 from scheduler.gate.retries import RetryLook
@@ -119,7 +120,7 @@ class Gate:
             on_told=lambda generation, reason, first: None,  # the run table's, below
             on_up=functools.partial(self.emit, events.LockSessionUp(instance, backend.name)),
         )
-        self.queue = TickQueue(monotonic)
+        self.queue = TickQueue(monotonic, order=helper_order(instance))
         self.claims = Claims(backend, self.session, self.queue, instance=instance, emit=self.emit)
         self.retries = RetryLook(
             backend, self.session, instance=instance, monotonic=monotonic, clock=clock

@@ -140,9 +140,12 @@ class Claims:
             if result.outcome is not Outcome.RUN:
                 self._report(jobs[result.key], result)
         # Tried again when a worker frees, and once anyone may take another's share.
-        self.queue.requeue([(jobs[t.key], t.scheduled_at) for t in answer.deferred])
-        self.queue.requeue(
-            [(jobs[t.key], t.scheduled_at) for t in answer.yielded], delay=YIELDED_RETRY
+        entries = {entry.job.key: entry for entry in batch.entries}
+        self.queue.leave([(entries[t.key], t.scheduled_at) for t in answer.deferred])
+        self.queue.leave(
+            [(entries[t.key], t.scheduled_at) for t in answer.yielded],
+            others=True,
+            delay=YIELDED_RETRY,
         )
 
     def _claim(self, requests: list[ClaimRequest], capacity: int) -> ClaimAnswer:

@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from scheduler.backends.base import Intent, LockStore, Outcome
+from scheduler.gate.backlog import Backlog
 from scheduler.gate.runs import ManualResult, Running
 from scheduler.gate.session import LockSession
 from scheduler.ledger.run_now import RunRequest
@@ -43,6 +44,7 @@ class Pending:
     since: float  # when the oldest of them arrived (monotonic)
     not_before: float = 0.0
     failures: int = 0  # claims of these ticks that failed in a row
+    others: bool = False  # yielded by a claim: another live replica's share (backlog.py)
 
     def add(self, tick: datetime) -> None:
         if tick not in self.ticks:
@@ -69,13 +71,19 @@ class Batch:
 
 
 class TickQueue:
-    def __init__(self, monotonic: Callable[[], float], left_to_others: float = 1.0) -> None:
+    def __init__(
+        self,
+        monotonic: Callable[[], float],
+        left_to_others: float = 1.0,
+        order: Callable[[int], int] = lambda key: key,
+    ) -> None:
         self.monotonic = monotonic
         # A tick of a job whose run here lost its lock goes to the other replicas first;
         # if none has claimed it by then, this replica records it skipped.
         self.left_to_others = left_to_others
         self._mutex = threading.Lock()
         self._pending: dict[int, Pending] = {}
+        self._backlog = Backlog(order)  # left by a claim: offered a window at a time
         self._bursts = 0
         self._accepting = True
 
@@ -87,6 +95,12 @@ class TickQueue:
                 return False
             for job in jobs:
                 entry = self._pending.get(job.key)
+                if entry is None and (left := self._backlog.remove(job.key)) is not None:
+                    # A newer tick: claimed afresh, with the next burst (the older one was
+                    # not claimed in time here, as below).
+                    assert isinstance(left, Pending)
+                    entry = self._pending[job.key] = left
+                    entry.not_before, entry.others = 0.0, False
                 if entry is None:
                     self._pending[job.key] = Pending(job, [tick], now)
                 else:
@@ -109,6 +123,7 @@ class TickQueue:
         with self._mutex:
             self._accepting = False
             self._pending.clear()
+            self._backlog.clear()
 
     def refresh(self, current: Callable[[int], CatalogJob | None]) -> None:
         """After a reload: drop the ticks of jobs no longer scheduled, update the rest."""
@@ -119,14 +134,21 @@ class TickQueue:
                     del self._pending[key]
                 else:
                     entry.job = job
+            for left in list(self._backlog):
+                job = current(left.job.key)
+                if job is None or not job.scheduled:
+                    self._backlog.remove(left.job.key)
+                else:
+                    left.job = job
 
     def next_due(self, capacity: int) -> float | None:
         """When the earliest entry may be claimed (None: nothing to do until a tick comes)."""
         with self._mutex:
-            if self._bursts or not self._pending:
+            if self._bursts:
                 return None
             due = [e.not_before for e in self._pending.values() if capacity > 0 or e.failures]
-            return min(due) if due else None
+            left = self._backlog.next_due() if capacity > 0 else None
+            return min([*due, left] if left is not None else due, default=None)
 
     def take(self, capacity: int, running: Callable[[int], Running]) -> list[Batch]:
         """The batches to claim now: the healthy entries together, each failed one alone.
@@ -134,12 +156,16 @@ class TickQueue:
         A job running here gets every queued tick as `skip`; a job free to run
         gets its newest tick as `run` if any worker is free (older ones were
         not claimed in time here: the other replicas or the sweep record them).
+        Of the ticks a claim left to later (the backlog), only a window goes.
         """
         now = self.monotonic()
         healthy, failed = Batch(), []
         with self._mutex:
             if self._bursts or not self._accepting:
                 return []
+            for left in self._backlog.take(capacity, now):
+                assert isinstance(left, Pending)
+                self._pending[left.job.key] = left
             for key, entry in list(self._pending.items()):
                 if entry.not_before > now:
                     continue
@@ -188,19 +214,37 @@ class TickQueue:
                     entry.since = min(entry.since, queued.since)
                 self._pending[entry.job.key] = entry
 
-    def requeue(self, ticks: Sequence[tuple[CatalogJob, datetime]], delay: float = 0.0) -> None:
-        """Ticks back, due together (deferred: no free worker; yielded: another's share).
+    def leave(
+        self, left: Sequence[tuple[Pending, datetime]], others: bool = False, delay: float = 0.0
+    ) -> None:
+        """Ticks a claim left to later (deferred: no free worker here; yielded, `others`:
+        another live replica's share), each with its entry, into the backlog; one that a
+        newer tick of its job joined meanwhile is claimed afresh with it.
 
         One clock reading for all: ticks due a few microseconds apart would be
         claimed in as many round trips.
         """
-        if ticks:
-            now = self.monotonic()
-            self.put_back([Pending(job, [tick], now) for job, tick in ticks], delay=delay)
+        now = self.monotonic()
+        with self._mutex:
+            if not self._accepting:
+                return
+            for entry, tick in left:
+                entry.ticks, entry.failures = [tick], 0
+                entry.not_before = now + delay
+                entry.others = entry.others or others
+                queued = self._pending.get(entry.job.key)
+                if queued is None:
+                    self._backlog.put(entry)
+                    continue
+                for newer in queued.ticks:
+                    entry.add(newer)
+                entry.since = min(entry.since, queued.since)
+                entry.not_before, entry.others = queued.not_before, False
+                self._pending[entry.job.key] = entry
 
     def __len__(self) -> int:
         with self._mutex:
-            return len(self._pending)
+            return len(self._pending) + len(self._backlog)
 
 
 log = logging.getLogger("scheduler.gate")

@@ -1,0 +1,3 @@
+-- Functions only: a claim takes its own share of a burst first, also once the burst is
+-- anyone's, and answers another's share beyond its free workers `yielded`; the claim's
+-- steps after the choice take only the ticks with a row to write.

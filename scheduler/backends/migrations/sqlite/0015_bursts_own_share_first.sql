@@ -1,0 +1,1 @@
+-- Nothing changes here: the embedded backend has no shares (0015 on PostgreSQL).
