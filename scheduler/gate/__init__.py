@@ -130,9 +130,11 @@ class Gate:
             self.session,
             instance=instance,
             monotonic=monotonic,
+            clock=clock,
             emit=self.emit,
             wake=self.wake,
             retry_scheduled=self.retries.due_in,
+            full=2 * max_workers,
         )
         self.table = RunTable(
             instance=instance,
@@ -142,6 +144,7 @@ class Gate:
             emit=self.emit,
             clock=clock,
             monotonic=monotonic,
+            wake=self.wake,
         )
         self.session.on_told = self.table.told  # the runs told are the table's
         self.manual = ManualTicks(clock)
@@ -284,8 +287,9 @@ class Gate:
         if not self.session.connected:
             return wait
         now = self.monotonic()
-        if self.finishes.pending():
-            wait = min(wait, max(0.0, self.finishes.paused_until - now))
+        finish_at = self.finishes.due_at(self.table.gathered_at, self._hold_finishes())
+        if finish_at is not None:
+            wait = min(wait, max(0.0, finish_at - now))
         if self.manual.pending():
             return 0.0
         due = self.queue.next_due(self.table.free_slots())
@@ -312,8 +316,12 @@ class Gate:
         if session.in_doubt():
             session.lose("no round trip succeeded within holder_timeout")
             return
-        self._guard(self._record_finishes)
         self._guard(self._take_requests)
+        # Finished runs are recorded once the claims have started new ones, so that their
+        # round trip overlaps those runs; first, if a tick of one of their jobs waits (it
+        # would be claimed `skipped` behind a run that has ended).
+        if self.finishes.waiting_for(self.queue.has, self.manual.has):
+            self._guard(self._record_finishes)
         # Oldest first: ticks caught up after downtime, then the scheduled ones, then
         # run-now requests, so that a run-now taken in the same step never takes a due
         # tick's place (its lock would make the tick `skipped`).
@@ -321,6 +329,7 @@ class Gate:
         self._guard(lambda: self._failed(self._claim_queued(), "claim"))
         self._guard(lambda: self._failed(self._claim_manual(ASKED), "run-now claim"))
         self._guard(lambda: self._failed(self._claim_retries(), "look for due retries"))
+        self._guard(self._record_finishes)
         if session.heartbeat_due():
             self._guard(lambda: session.round_trip(self.backend.heartbeat))
             self.retries.due_in(self.backend.retry_due_in())
@@ -358,6 +367,9 @@ class Gate:
             self.session.lose(str(exc))
 
     def _record_finishes(self) -> None:
+        due = self.finishes.due_at(self.table.gathered_at, self._hold_finishes())
+        if due is None or (due > self.monotonic() and not self.table.stopping.is_set()):
+            return
         for run in self.finishes.record():
             self.table.recorded(run)
             if run.job.retries:
@@ -365,6 +377,11 @@ class Gate:
                 # their retries fall due: one that fell due while this run went on (its
                 # next tick, say) is taken now, not at the next heartbeat.
                 self.retries.due_in(0)
+
+    def _hold_finishes(self) -> bool:
+        """Whether finished runs may wait for the next batch: runs go on here, and will
+        wake the dispatcher when they end."""
+        return self.table.going() and not self.table.stopping.is_set()
 
     def _take_requests(self) -> None:
         desk = self.desk

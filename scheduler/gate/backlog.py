@@ -72,6 +72,9 @@ class Backlog:
         self._entries[key] = place
         heapq.heappush(self._heap, place)
 
+    def has(self, key: int) -> bool:
+        return key in self._entries
+
     def remove(self, key: int) -> Entry | None:
         place = self._entries.pop(key, None)
         return None if place is None else place.entry

@@ -1,10 +1,15 @@
 """Finishes: runs that ended, recorded in the ledger in batches (step 4 of the protocol).
 
 A worker thread that ends a run only queues it (`ended`); the dispatcher
-records every queued finish in one round trip (`record`). A batch that fails
-for another reason than a lost session is recorded again row by row, so one
-row's trouble (its error text, say) never keeps the others unrecorded; a row
-that still fails alone is stored with a placeholder error.
+records every queued finish in one round trip (`record`), once the runs that
+started with the first of them have had a moment to end too (`runs.GATHER`).
+While runs are going here, finishes are held back for the next batch, briefly
+(`HOLD`), never close to their job's next tick, and no more than `full` of
+them: each claim wins at most as many runs as there are workers, and a finish
+for every claim's worth would double the transactions of a busy replica.
+A batch that fails for another reason than a lost session is recorded again
+row by row, so one row's trouble (its error text, say) never keeps the others
+unrecorded; a row that still fails alone is stored with a placeholder error.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from scheduler.text import storable
 log = logging.getLogger("scheduler.gate")
 
 PLACEHOLDER_ERROR = "(the job's error text could not be stored: {reason})"
+HOLD = 0.1  # seconds a finish may be held back for the next batch
+# A finish is never held back closer than this to its job's next tick (which another
+# replica, whose clock may be ahead, would record skipped behind its unreleased lock).
+HOLD_MARGIN = 0.5
 SAY_EVERY = 30.0  # seconds: a failure that repeats (a full disk) is logged once per this
 
 
@@ -57,32 +66,45 @@ class Finishes:
         *,
         instance: str,
         monotonic: Callable[[], float],
+        clock: Callable[[], datetime],
         emit: Callable[[events.Event], None],
         wake: Callable[[], None],
         retry_scheduled: Callable[[float], None] = lambda _: None,
+        full: int = 1,
     ) -> None:
         self.backend = backend
         self.session = session
         self.instance = instance
         self.monotonic = monotonic
+        self.clock = clock
+        self.full = full  # finishes recorded at once, however many runs still go here
         self.emit = emit
         self.wake = wake
         self.retry_scheduled = retry_scheduled  # a failed attempt's next is due in n seconds
         self.paused_until = 0.0  # after a batch some of whose rows could not be recorded
         self._mutex = threading.Lock()
         self._waiting: list[Run] = []
+        self._first: Run | None = None  # the first of the waiting runs to end
+        self._hold_until = 0.0  # the latest a waiting finish may be held back to
         # The next tick after a tick, per schedule: a burst's runs share both.
         self._next_due: dict[tuple[object, datetime], datetime | None] = {}
         self._batch_failed, self._row_failed = _Quiet(monotonic), _Quiet(monotonic)
 
     def ended(self, run: Run, status: Status, error: str | None) -> None:
         """A run returned (any thread): its finish waits for the dispatcher."""
-        ending = Ending.of(run, status, error, self.monotonic())
+        now = self.monotonic()
+        ending = Ending.of(run, status, error, now)
+        hold = now + HOLD
+        if (next_due := self._due_after(run)) is not None:
+            hold = min(hold, now + (next_due - self.clock()).total_seconds() - HOLD_MARGIN)
         with self._mutex:
             if run.ended is not None:
                 return  # already recorded (given up at shutdown)
             run.ended = ending
             first = not self._waiting
+            if first:
+                self._first, self._hold_until = run, hold
+            self._hold_until = min(self._hold_until, hold)
             self._waiting.append(run)
         if first:
             self.wake()  # later ones join the batch the dispatcher is about to take
@@ -91,12 +113,29 @@ class Finishes:
         with self._mutex:
             return bool(self._waiting)
 
+    def waiting_for(self, *queued: Callable[[int], bool]) -> bool:
+        """Whether a run whose finish waits is of a job with a tick `queued` to claim."""
+        with self._mutex:
+            keys = [run.job.key for run in self._waiting]
+        return any(has(key) for key in keys for has in queued)
+
+    def due_at(self, gathered_at: Callable[[Run], float], hold: bool) -> float | None:
+        """When the waiting finishes are to be recorded (None: none waits): once the first
+        of them is done waiting for the runs of its batch (`RunTable.gathered_at`), and,
+        if they may be held back for the next batch (`hold`: runs go on here), then."""
+        with self._mutex:
+            first, count, until = self._first, len(self._waiting), self._hold_until
+        if first is None:
+            return None
+        at = max(gathered_at(first), self.paused_until)
+        return max(at, until) if hold and count < self.full else at
+
     def record(self) -> list[Run]:
         """Record every waiting finish; returns the runs recorded (done with, here)."""
         if self.monotonic() < self.paused_until:
             return []
         with self._mutex:
-            batch, self._waiting = self._waiting, []
+            batch, self._waiting, self._first = self._waiting, [], None
         if not batch:
             return []
         batch.sort(key=lambda run: (run.ctx.scheduled_at, run.job.key))  # the common order
@@ -125,6 +164,8 @@ class Finishes:
     def _put_back(self, runs: list[Run]) -> None:
         with self._mutex:
             self._waiting[:0] = runs
+            self._first = self._waiting[0] if self._waiting else None
+            self._hold_until = 0.0  # tried again as soon as may be
 
     def _send(self, runs: list[Run], placeholder: str | None = None) -> list[FinishResult]:
         requests = [self._request(run, placeholder) for run in runs]
@@ -178,11 +219,12 @@ class Finishes:
         if not job.scheduled:
             return None
         cached = (job.trigger, tick)  # the trigger itself: an id could be reused
-        if cached not in self._next_due:
+        found = self._next_due.get(cached, tick)  # (any thread: one get, one set)
+        if found is tick:
             if len(self._next_due) > 1024:
                 self._next_due.clear()
-            self._next_due[cached] = tick_after(job.trigger, tick)
-        return self._next_due[cached]
+            found = self._next_due[cached] = tick_after(job.trigger, tick)
+        return found
 
     def _report(self, run: Run, outcome: FinishResult) -> None:
         ending = run.ended

@@ -242,6 +242,11 @@ class TickQueue:
                 entry.not_before, entry.others = queued.not_before, False
                 self._pending[entry.job.key] = entry
 
+    def has(self, key: int) -> bool:
+        """Whether a tick of job `key` waits to be claimed."""
+        with self._mutex:
+            return key in self._pending or self._backlog.has(key)
+
     def __len__(self) -> int:
         with self._mutex:
             return len(self._pending) + len(self._backlog)
