@@ -246,14 +246,15 @@ def edges(
     trees: dict[str, Path | None] = {"this": None}
     if base is not None:
         trees = {"base": base.resolve(), "this": None}
-    out: dict[str, Any] = {"trees": {k: which_scheduler(v) for k, v in trees.items()}}
-    if base is not None and out["trees"]["base"] == out["trees"]["this"]:
+    found_in = {k: which_scheduler(v) for k, v in trees.items()}
+    if base is not None and found_in["base"] == found_in["this"]:
         raise RuntimeError(f"{base} does not shadow this checkout's scheduler")
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {}
     for jobs in BURSTS:
         for label, tree in trees.items():
-            log(f"burst of {jobs}, {label} ({out['trees'][label]})")
+            log(f"burst of {jobs}, {label} ({found_in[label]})")
             found = burst(server, jobs, tree, label, profile)
             out.setdefault(f"burst_{jobs}", {})[label] = found
             log(f"  {_said(found)}")
@@ -296,7 +297,7 @@ def ratios(edges: dict[str, Any]) -> dict[str, dict[str, float | None]]:
 
 def render(edges: dict[str, Any]) -> str:
     """The section of bench/RESULTS.md."""
-    sides = [k for k in ("base", "this") if k in edges["trees"]]
+    sides = ["base", "this"] if "base_commit" in edges else ["this"]
     lines = [
         SECTION,
         "",
