@@ -57,6 +57,10 @@ BY_HAND = frozenset({Intent.MANUAL, Intent.CATCH_UP})
 QUIET = frozenset({"tick", "freeze", "clock_jump", "clock_skew", "reload", "run_now", "finish"})
 
 
+class CutShort(ConnectionError):
+    """A sweep cut short as it records missed ticks (what it did before stays committed)."""
+
+
 @dataclass(eq=False)
 class SimRun:
     replica: Replica
@@ -648,8 +652,8 @@ class World:
         except Exception as exc:
             self.say(f"{replica.name} sweep failed: {exc}")
             self.step_errors += 1
-            if self.faults["sweep_cut_short"] and "simulated" in str(exc):
-                self._swept_crashes(counted)  # cut short after the crashes were committed
+            if isinstance(exc, CutShort):  # after the crashes' transaction was committed
+                self._swept_crashes(counted)
             return
         self._swept_crashes(counted)
         if "missed" in done:
@@ -672,7 +676,7 @@ class World:
 
     def _cut_short(self, *args: object) -> int:
         self.faults.update(["sweep_cut_short"])
-        raise ConnectionError("simulated: the sweep's session was lost")
+        raise CutShort("simulated: the sweep's session was lost")
 
     # -- the end ---------------------------------------------------------------------
 
