@@ -101,20 +101,38 @@ def _process() -> _Process:
 
 
 def _process_start(pid: int) -> str | None:
-    """The start time of a live process (clock ticks since boot), None if there is none."""
+    """The start time of a live process (clock ticks since boot), None if there is none.
+
+    A zombie is none: it has exited and closed its files, only its parent has not
+    reaped it yet (a web server's master busy pinging its other workers can take a
+    minute), and it runs nothing of a job."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+            fields = f.read().rsplit(b")", 1)[1].split()
     except FileNotFoundError:
         return None
-    except (OSError, IndexError):  # no /proc here: whether the pid exists, at least
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return ""
+    except OSError:
+        fields = []
+    if len(fields) > 19:
+        return None if _exited(pid, fields[0]) else fields[19].decode()
+    try:  # no /proc here: whether the pid exists, at least
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
+def _exited(pid: int, state: bytes) -> bool:
+    """A zombie whose threads are all gone (a main thread that ended before the
+    others shows the same state while they run on)."""
+    if state not in (b"Z", b"X"):
+        return False
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
 
 
 def _pid_namespace() -> int:

@@ -35,11 +35,14 @@ def record(ctx: RunContext, **extra: object) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie does not (a killed worker that its web server's master
+    has not reaped yet runs nothing), unless its main thread alone has ended."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X") or len(os.listdir(f"/proc/{pid}/task")) > 1
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
 
 
 def _enter(marker: str) -> bool:
