@@ -54,6 +54,14 @@ EMBEDDED_POINTS = (
     "claim_retries",
     "_lock",
 )
+# A fault that waits for one kind of call meets it at one of the statements that call
+# writes with (the others would let it pass, and wait on for another call).
+CALL_POINTS = {
+    "claim_retries": {
+        "postgresql": ("scheduler_ticks:UPDATE", "scheduler_attempts:INSERT"),
+        "embedded": ("claim_retries", "_lock"),
+    },
+}
 EMBEDDED_MESSAGES = {
     "statement_timeout": "interrupted",
     "lock_timeout": "database table is locked",
@@ -182,7 +190,7 @@ class Faulty:
             self._fired(fault)
             raise injected("reply lost after the commit")
         try:
-            with self._inside(fault, point):
+            with self._inside(fault, self._points(name if armed[2] else None), point):
                 result = method(*args)
         except SessionLost:
             raise
@@ -196,17 +204,24 @@ class Faulty:
         self._observe(name, args, result)
         return result
 
+    def _points(self, call: str | None) -> Sequence[str]:
+        """Where a fault inside a statement may meet `call` (None: any call)."""
+        embedded = self._real.name == "embedded"
+        if call in CALL_POINTS:
+            return CALL_POINTS[call]["embedded" if embedded else "postgresql"]
+        return EMBEDDED_POINTS if embedded else PG_POINTS
+
     @contextlib.contextmanager
-    def _inside(self, fault: str, point: int) -> Iterator[None]:
+    def _inside(self, fault: str, points: Sequence[str], point: int) -> Iterator[None]:
         conn = getattr(self._real, "_conn", None)
         if self._real.name == "embedded":
-            with _failing_step(EMBEDDED_POINTS[point % len(EMBEDDED_POINTS)], fault):
+            with _failing_step(points[point % len(points)], fault):
                 yield
             return
         if conn is None:
             yield
             return
-        where = PG_POINTS[point % len(PG_POINTS)]
+        where = points[point % len(points)]
         conn.exec_driver_sql(
             f"SELECT set_config('sim.fail_on', '{where}', false),"
             f" set_config('sim.fail_code', '{PG_CODES[fault]}', false)"

@@ -579,11 +579,12 @@ class World:
         for replica in self.replicas:
             replica.gate.retries.due_in(0)
         self.faults.update(["retry_due"])
-        if step.b % 2:  # and a fault waits for one replica's look for them
+        if step.b % 2:  # and a fault waits for one replica's look, which it makes at once
             replica = self._replica(step.c)
             if replica.proxy.armed is None:
                 fault = CALL_FAULTS[(step.b >> 1) % len(CALL_FAULTS)]
                 replica.proxy.armed = (fault, step.c >> 4, "claim_retries")
+                self._step_one(replica)
 
     def _catch_up(self, step: Step) -> None:
         """A catch-up pass: one tick of `slow` from before the fleet came up, lock first."""
