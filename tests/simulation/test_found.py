@@ -10,7 +10,7 @@ from scheduler.backends.base import ClaimRequest, Intent
 from tests.simulation import jobs
 from tests.simulation.play import compare, play
 from tests.simulation.sites import PgSite
-from tests.simulation.steps import ARMED, Step
+from tests.simulation.steps import ARMED, Step, draw
 
 pytestmark = pytest.mark.simulation
 
@@ -122,3 +122,15 @@ def test_a_lock_given_back_on_the_embedded_backend_lets_the_job_run_as_on_postgr
     first replica lived: its lock file still named it. The ledgers differed."""
     _, failure = compare(pg_server, 1, 36)
     assert failure is None, failure
+
+
+def test_ticks_the_sweeps_limit_left_are_not_asked_for(pg_server):
+    """Seed 3035: the first whole sweep came 15 minutes in, its window holding more than
+    `MISSED_LIMIT` due ticks of one job, so it recorded the latest 100 and left the older
+    ones, as documented. It counted them among the ticks due by the registrations as it
+    read them, where a replica that was reconnecting looked gone, its schedule ended early:
+    two ticks more were due in its eyes than in the world's, and the rule asked for two
+    ticks the sweep had rightly left (every_tick_explained, `_left_by_limit`)."""
+    played = play("postgresql", pg_server, 3035, draw(3035, 500))
+    assert played.violation is None, played.violation
+    assert played.faults["killed_session"] + played.faults["database_restart"] > 0
