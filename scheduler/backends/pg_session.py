@@ -6,6 +6,7 @@
   mode that would move advisory locks from one server session to another.
 - `ends_session` and `is_permanent`: which errors lose the session (and its
   locks), and which no retry mends.
+- `SessionPerUse`: the ledger's sessions, opened for a chore and closed after it.
 - `refuse_standby`: a node in recovery or read-only (a standby, a demoted or
   fenced old primary) is no place to claim: the session is dropped and the
   replica reconnects, to whichever node is the primary now.
@@ -14,12 +15,15 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import psycopg
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 from scheduler.config.urls import libpq_url, parse_database_url
 
@@ -37,6 +41,56 @@ READ_ONLY = "25006"  # read_only_sql_transaction: a write reached a standby or a
 # after a failover). Any other error (a statement or lock timeout, a deadlock) leaves
 # the session and its locks as they were.
 _SESSION_ENDING = {"57P01", "57P02", "57P03", "57P04", "57P05", READ_ONLY}
+
+
+class SessionPerUse(NullPool):
+    """A session opened for each use and closed after it, at most `SESSIONS` at once.
+
+    For the ledger's chores: between them a replica holds no session but its lock
+    session, and each use finds the primary of now. The bound keeps a burst of page
+    requests (up to the route workers at once) from opening as many sessions: a use
+    beyond it waits for one to end, up to `WAIT` seconds, as in a pool of that size.
+    """
+
+    SESSIONS = 2
+    WAIT = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(self.SESSIONS)
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        if not self._slots.acquire(timeout=self.WAIT):
+            raise PoolTimeout(
+                f"all {self.SESSIONS} ledger sessions of this replica stayed busy for "
+                f"{self.WAIT:.0f} s",
+                code="3o7r",
+            )
+        try:
+            return super()._do_get()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        try:
+            super()._do_return_conn(record)
+        finally:
+            self._slots.release()
+
+    def recreate(self) -> SessionPerUse:
+        # NullPool's, without its line at INFO ("Pool recreating" at every dispose): this
+        # class logs under the project's logger, not SQLAlchemy's.
+        return self.__class__(
+            self._creator,
+            recycle=self._recycle,
+            echo=self.echo,
+            logging_name=self._orig_logging_name,
+            reset_on_return=self._reset_on_return,
+            pre_ping=self._pre_ping,
+            _dispatch=self.dispatch,
+            dialect=self._dialect,
+        )
 
 
 def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:

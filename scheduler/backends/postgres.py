@@ -40,6 +40,7 @@ from scheduler.backends.base import (
 )
 from scheduler.backends.pg_session import (
     POOLER_MESSAGE,
+    SessionPerUse,
     connect_args,
     ends_session,
     explain,
@@ -255,10 +256,11 @@ class PostgresBackend:
         args = connect_args(instance, holder_timeout, url)
         self.secrets = database_url_secrets(url)
         self.engine = psycopg_engine(url, args, poolclass=NullPool)
-        # The second session: housekeeping, notices and the commands (never holds a lock).
-        self.ledger_engine = psycopg_engine(
-            url, args, pool_size=1, max_overflow=1, pool_recycle=600
-        )
+        # The second session: housekeeping, notices, the page and the commands (never holds
+        # a lock). It is opened for each use and closed after it: the chores come every
+        # 30 s, so a replica holds one session between them (100 replicas on one server:
+        # about 100 sessions, not 200), and each use finds the primary of now.
+        self.ledger_engine = psycopg_engine(url, args, poolclass=SessionPerUse)
         event.listen(self.ledger_engine, "connect", self._ledger_session_settings)
         self._conn: Connection | None = None
         self._requests = False  # a run-now request may be waiting (notified, or seen)

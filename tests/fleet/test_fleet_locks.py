@@ -135,9 +135,12 @@ def test_a_catch_up_claim_that_meets_held_rows_gives_its_lock_back(tmp_path, dat
         last_before = max(parse_tick(e["tick"]) for e in fleet.starts())
         time.sleep(9)  # four ticks or more with no replica up
         gap_end = last_before + timedelta(seconds=12)
-        gap = [last_before + timedelta(seconds=2 * n) for n in range(1, 7)]
-        with psycopg.connect(database_url) as outsider:  # every gap tick's row, uncommitted
-            for tick in gap:
+        # The newest gap ticks' rows, uncommitted: the fleet comes up 9 to 13 s after the
+        # last run, so the pass runs the newest three due by then, and one or more of them
+        # are held; the older ones it records missed are not (that would hold the pass).
+        held = [last_before + timedelta(seconds=2 * n) for n in range(4, 7)]
+        with psycopg.connect(database_url) as outsider:
+            for tick in held:
                 outsider.execute(
                     "INSERT INTO scheduler_ticks (job_key, scheduled_at, job_name, status)"
                     " VALUES (172, %s, 'caught', 'missed')",
@@ -146,7 +149,14 @@ def test_a_catch_up_claim_that_meets_held_rows_gives_its_lock_back(tmp_path, dat
             for name in ("r1", "r2"):
                 fleet.start(name)
             fleet.wait_ready()
-            time.sleep(5)  # the passes claim the newest three: each waits, then fails
+            wait_for(
+                lambda: (
+                    "(catch_up) failed (canceling statement due to lock timeout)" in fleet.logs()
+                ),
+                30,
+                "a catch-up claim to wait on a held row, then fail",
+            )
+            time.sleep(3)  # the passes try again: each waits, then fails
             outsider.rollback()
         # A claim waiting on those rows holds the job's lock until its lock timeout (2 s).
         held_until = datetime.now(UTC) + timedelta(seconds=5)
@@ -182,6 +192,7 @@ def test_a_catch_up_claim_that_meets_held_rows_gives_its_lock_back(tmp_path, dat
         assert not any(e.get("overlap") for e in fleet.starts())
         wait_for(lambda: stray_locks(fleet) == [], 10, "no lock without a running row")
         no_stray_lock_reported(fleet)
+        assert "gave back lock(s) of caught left by a failed catch-up" in fleet.logs()
     finally:
         fleet.kill_all()
 

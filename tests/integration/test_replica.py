@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import psycopg
@@ -59,3 +60,19 @@ def test_a_replica_runs_ticks_on_postgresql_and_leaves_no_session(config, databa
         wait_for(lambda: succeeded(database_url) >= 2, 15, "two ticks recorded")
     assert not replica.active
     wait_for(lambda: sessions(database_url, name) == 0, 5, "no session of the stopped replica")
+
+
+def test_between_chores_a_replica_holds_its_lock_session_alone(config, database_url):
+    """The ledger's session is opened for a chore and closed after it, so a fleet of N
+    replicas holds about N sessions, not 2N (chores come every 30 s)."""
+    name = "api-3202"
+    replica = Replica(config=config, database_url=database_url, instance_name=name)
+    with replica:
+        wait_for(lambda: succeeded(database_url) >= 2, 15, "two ticks recorded")
+        seen = []
+        for _ in range(20):
+            seen.append(sessions(database_url, name))
+            time.sleep(0.1)
+        # A chore may be going at one sample or two (the first pass comes 1 s in).
+        assert max(seen) <= 2, seen
+        assert seen.count(1) >= 15, seen
