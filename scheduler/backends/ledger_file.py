@@ -300,8 +300,8 @@ def process_state(pid: int) -> str:
         "t": "stopped by a debugger",
         "D": "waiting for the disk",
         "Z": "a zombie",
-        "R": "running",
-        "S": "running",
+        "R": "on a CPU",
+        "S": "sleeping",
     }.get(state, state)
 
 

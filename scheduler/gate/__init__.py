@@ -39,7 +39,6 @@ from concurrent.futures import Future
 from datetime import UTC, datetime
 
 from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
-from scheduler.errors import one_line
 from scheduler.gate.backlog import helper_order
 from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
@@ -53,7 +52,6 @@ from scheduler.registry.catalog import CatalogJob
 
 log = logging.getLogger("scheduler.gate")
 
-RETRY_LOOK_AGAIN = 1.0  # seconds before a look for due retries that failed is made again
 REQUESTS_LOOK_EVERY = 1.0  # seconds between looks for run-now requests, without notifications
 CAUGHT_UP, ASKED = frozenset({Intent.CATCH_UP}), frozenset({Intent.MANUAL})
 
@@ -84,6 +82,37 @@ class Waker:
                 pass
 
 
+class Watch:
+    """What the dispatcher waits on: its wake-up pipe, and the lock session's socket (the
+    server speaks between our calls only to end the session, or to notify)."""
+
+    def __init__(self, wake: Waker) -> None:
+        self.wake = wake
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(wake.fileno, selectors.EVENT_READ)
+        self.watched: tuple[int, int] | None = None  # (session, socket) being watched
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.selector.close()
+
+    def wait(self, session: int, fd: int | None, timeout: float) -> None:
+        """Until the pipe or the socket of this session (`fd`, None: none) speaks, or
+        `timeout` seconds."""
+        current = (session, fd) if fd is not None else None
+        if current != self.watched:
+            if self.watched is not None:
+                self.selector.unregister(self.watched[1])  # tolerates a closed socket
+            if current is not None:
+                self.selector.register(current[1], selectors.EVENT_READ)
+            self.watched = current
+        for key, _ in self.selector.select(timeout):
+            if key.fd == self.wake.fileno:
+                self.wake.drain()
+
+
 class Gate:
     """Decides, for each tick this replica sees, whether it runs here; and runs it.
 
@@ -111,8 +140,7 @@ class Gate:
         self.emit = events.Emitter(listeners)
         self.listeners = self.emit.listeners  # observers may join before the start
         self.wake = Waker()
-        self.clock = clock
-        self.monotonic = monotonic
+        self.clock, self.monotonic = clock, monotonic
         self.session = LockSession(
             backend,
             holder_timeout,
@@ -259,28 +287,16 @@ class Gate:
     # -- the dispatcher thread -------------------------------------------------------
 
     def _loop(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.wake.fileno, selectors.EVENT_READ)
-        watched: tuple[int, int] | None = None  # (session, socket) being watched
-        while not self._stopped.is_set():
-            self._last_loop = self.monotonic()
-            fd = self.backend.fileno() if self.session.connected else None
-            current = (self.session.opened, fd) if fd is not None else None
-            if current != watched:
-                if watched is not None:
-                    selector.unregister(watched[1])  # tolerates a closed socket
-                if current is not None:
-                    selector.register(current[1], selectors.EVENT_READ)
-                watched = current
-            try:
-                for key, _ in selector.select(self._wait_time()):
-                    if key.fd == self.wake.fileno:
-                        self.wake.drain()
-                self.step()
-            except Exception:
-                log.exception("gate loop error (continuing)")
-                self._stopped.wait(0.5)
-        selector.close()
+        with Watch(self.wake) as watch:
+            while not self._stopped.is_set():
+                self._last_loop = self.monotonic()
+                fd = self.backend.fileno() if self.session.connected else None
+                try:
+                    watch.wait(self.session.opened, fd, self._wait_time())
+                    self.step()
+                except Exception:
+                    log.exception("gate loop error (continuing)")
+                    self._stopped.wait(0.5)
 
     def _wait_time(self) -> float:
         wait = self.session.wait_time()
@@ -429,27 +445,14 @@ class Gate:
         return False
 
     def _claim_retries(self) -> bool:
-        """Start due retries of jobs this replica has and is not running (retries.py).
-
-        Returns whether the look failed or took a lock no run here holds.
-        """
+        """Start due retries of jobs this replica has and is not running (retries.py);
+        returns whether the look failed or took a lock no run here holds."""
         desk = self.desk
         if desk is None or self.table.stopping.is_set():
             return False
-        if not self.retries.due(self.table.free_slots()):
-            return False
-        running = self.table.running_keys()
-        keys = [key for key in desk.enabled_keys() if key not in running]
-        try:
-            won, gone = self.retries.take(desk, keys, self.table.free_slots())
-        except SessionLost:
-            raise
-        except Exception as exc:
-            log.warning("looking for due retries failed (%s); looking again shortly", one_line(exc))
-            self.retries.due_in(RETRY_LOOK_AGAIN)
-            return True
+        won, failed = self.retries.look(desk, self.table.running_keys, self.table.free_slots())
         self.table.start(won, self.session.generation, self.session.opened)
-        return bool(gone)
+        return failed
 
 
 def _enabled_now(desk: RequestDesk | None, job: CatalogJob) -> bool:

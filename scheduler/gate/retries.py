@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Protocol
 
-from scheduler.backends.base import ClaimResult, LockStore, Retries
+from scheduler.backends.base import ClaimResult, LockStore, Retries, SessionLost
 from scheduler.config.schedules import tick_after
+from scheduler.errors import one_line
 from scheduler.gate.session import LockSession
 from scheduler.registry.catalog import CatalogJob
 from scheduler.statuses import CRASHED_LOST_LOCK
@@ -24,10 +25,15 @@ from scheduler.statuses import CRASHED_LOST_LOCK
 log = logging.getLogger("scheduler.gate")
 
 HELD_AGAIN = 2.0  # seconds before a due retry whose lock was held elsewhere is tried again
+LOOK_AGAIN = 1.0  # seconds before a look for due retries that failed is made again
+
+Won = list[tuple[CatalogJob, ClaimResult]]
 
 
 class Jobs(Protocol):
     def job(self, key: int) -> CatalogJob | None: ...
+
+    def enabled_keys(self) -> list[int]: ...
 
 
 class RetryLook:
@@ -67,9 +73,27 @@ class RetryLook:
         with self._mutex:
             return None if self._at is None else max(0.0, self._at - self.monotonic())
 
-    def take(
-        self, jobs: Jobs, keys: Sequence[int], free: int
-    ) -> tuple[list[tuple[CatalogJob, ClaimResult]], list[int]]:
+    def look(self, jobs: Jobs, running: Callable[[], set[int]], free: int) -> tuple[Won, bool]:
+        """If a look is due: start the due retries of the enabled jobs not running here.
+
+        Returns the runs to start, and whether the look failed or took a lock no run
+        here holds (the gate gives back what it left). Raises SessionLost.
+        """
+        if not self.due(free):
+            return [], False
+        not_here = running()
+        keys = [key for key in jobs.enabled_keys() if key not in not_here]
+        try:
+            won, gone = self.take(jobs, keys, free)
+        except SessionLost:
+            raise
+        except Exception as exc:
+            log.warning("looking for due retries failed (%s); looking again shortly", one_line(exc))
+            self.due_in(LOOK_AGAIN)
+            return [], True
+        return won, bool(gone)
+
+    def take(self, jobs: Jobs, keys: Sequence[int], free: int) -> tuple[Won, list[int]]:
         """Start the due retries of `keys` (jobs here, not running here), at most `free`.
 
         Returns the runs to start, and the keys of retries started for jobs
@@ -94,7 +118,8 @@ class RetryLook:
         assert isinstance(found, Retries)
         if found.next_in is not None:
             self.due_in(found.next_in if found.next_in > 0 else HELD_AGAIN)
-        won, gone = [], []
+        won: Won = []
+        gone: list[int] = []
         for result in found.started:
             job = jobs.job(result.key)
             if job is None:
