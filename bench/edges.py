@@ -91,7 +91,7 @@ class Profile:
         self.out = out
         spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
         if spy is None:
-            log("py-spy not found (pip install py-spy): no profile")
+            log("py-spy not found (pip install -e '.[bench]'): no profile")
         record = [spy, "record", "--pid", str(pid), "--rate", "200", "--threads"]
         self.spies = [
             subprocess.Popen(
@@ -239,16 +239,23 @@ def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
     }
 
 
-def edges(
-    server: Server, base: Path | None, quick: bool = False, profile: Path | None = None
-) -> dict[str, Any]:
-    """Every scenario on `base` (if given) and on this checkout, one after the other."""
+def sides(base: Path | None) -> tuple[dict[str, Path | None], dict[str, str]]:
+    """The trees measured ("base" if given, then "this": None, this checkout) and where
+    each one's `scheduler` is imported from; a base that does not shadow it is refused."""
     trees: dict[str, Path | None] = {"this": None}
     if base is not None:
         trees = {"base": base.resolve(), "this": None}
     found_in = {k: which_scheduler(v) for k, v in trees.items()}
     if base is not None and found_in["base"] == found_in["this"]:
         raise RuntimeError(f"{base} does not shadow this checkout's scheduler")
+    return trees, found_in
+
+
+def edges(
+    server: Server, base: Path | None, quick: bool = False, profile: Path | None = None
+) -> dict[str, Any]:
+    """Every scenario on `base` (if given) and on this checkout, one after the other."""
+    trees, found_in = sides(base)
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
@@ -350,12 +357,12 @@ def render(edges: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(text: str, section: str) -> str:
+def replace_section(text: str, section: str, heading: str = SECTION) -> str:
     """`section` in place of the one with its heading (up to the next `## `), or appended."""
-    start = text.find(SECTION)
+    start = text.find(heading)
     if start < 0:
         return text.rstrip("\n") + "\n\n" + section
-    end = text.find("\n## ", start + len(SECTION))
+    end = text.find("\n## ", start + len(heading))
     rest = "" if end < 0 else text[end + 1 :]
     return text[:start] + section + ("\n" + rest if rest else "")
 

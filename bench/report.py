@@ -7,7 +7,8 @@ from typing import Any
 TARGETS = {
     "round trips per tick, replica that runs it": "<= 2",
     "round trips per tick, each other replica": "<= 1",
-    "sessions per replica": "<= 2",
+    "sessions per replica, between chores (most samples)": "1",
+    "sessions per replica, during a chore (most)": "<= 2",
     "transactions per minute, idle replica": "<= 12",
     "500 jobs/s on 3 replicas: exactly once": "all",
     "500 jobs/s on 3 replicas: lateness p99": "< 250 ms",
@@ -22,6 +23,11 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _most_sessions(runs: list[dict[str, Any]]) -> int:
+    """The most sessions one replica held at a sample (results before this figure: the one)."""
+    return max(m.get("sessions_per_replica_max", m["sessions_per_replica"]) for m in runs)
 
 
 def _sessions(v: dict[str, Any]) -> Any:
@@ -154,9 +160,10 @@ def render(r: dict[str, Any]) -> str:
         "",
         "## 3. Sessions per replica",
         "",
-        "Across the scale runs above: at most "
-        f"{max(m['sessions_per_replica'] for m in r['scale'])} per replica, with 10, 100 or 500"
-        " jobs. With 50 jobs of 5 s each running at once on 2",
+        "Across the scale runs above, sampled every 0.5 s: "
+        f"{max(m['sessions_per_replica'] for m in r['scale'])} per replica at most samples"
+        f" (between chores), {_most_sessions(r['scale'])} at most (during a chore), with 10,"
+        " 100 or 500 jobs. With 50 jobs of 5 s each running at once on 2",
         "replicas (25 concurrent runs each): "
         f"{r['long_runs']['sessions_per_replica']} per replica.",
         "The naive lock opens one session per running job and replica; APScheduler 4 holds",
@@ -258,9 +265,14 @@ def render(r: dict[str, Any]) -> str:
         ["round trips per tick, replica that runs it", one["runner"], verdict(one["runner"] <= 2)],
         ["round trips per tick, each other replica", one["other"], verdict(one["other"] <= 1)],
         [
-            "sessions per replica",
+            "sessions per replica, between chores (most samples)",
             max(m["sessions_per_replica"] for m in r["scale"]),
-            verdict(max(m["sessions_per_replica"] for m in r["scale"]) <= 2),
+            verdict(max(m["sessions_per_replica"] for m in r["scale"]) <= 1),
+        ],
+        [
+            "sessions per replica, during a chore (most)",
+            _most_sessions(r["scale"]),
+            verdict(_most_sessions(r["scale"]) <= 2),
         ],
         [
             "transactions per minute, idle replica",
@@ -295,6 +307,10 @@ def render(r: dict[str, Any]) -> str:
         from edges import render as edges
 
         out.insert(out.index("## Targets"), edges(r["edges"]))
+    if "at_scale" in r:
+        from scale import render as at_scale
+
+        out.insert(out.index("## Targets"), at_scale(r["at_scale"]))
     return "\n".join(out)
 
 

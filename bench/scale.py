@@ -1,0 +1,236 @@
+"""At scale: 100 replicas on one PostgreSQL, steady and with a replica killed every 5 s.
+
+    .venv/bin/python bench/scale.py [--base TREE] [--replicas 100] [--jobs 100] [--window 120]
+
+A throwaway cluster of its own (initdb from the server binaries, as the
+failover tests build theirs; `max_connections = 400`), so that 100 replicas and
+their sessions never crowd the shared server. Every replica runs the same
+jobs on 1 s intervals (1 ms each). Measured from outside: the jobs' evidence
+(each tick of the window once, none missing, lateness), the sessions of the
+database sampled every second from `pg_stat_activity` (per replica: the
+count most samples saw, and the most any saw; the fleet's total), transactions
+from `pg_stat_database`, and the CPU of every replica from /proc.
+
+The second run kills a replica (SIGKILL) every 5 s and starts another in its
+place: a tick whose run was going in the killed replica is `crashed` (its
+evidence line may be missing; the ledger's rows say which).
+
+With `--base TREE`, each run is made on TREE's `scheduler` first, then on this
+checkout's. Writes the section "At scale" of bench/RESULTS.md and `scale` in
+bench/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psycopg
+from edges import commit_of, replace_section, sides
+from fleet import BENCH, Fleet, Server, now_iso, process_cpu, verify
+
+from tests.clusters import Cluster
+
+SECTION = "## At scale"
+KILL_EVERY = 5.0  # seconds between kills in the second run
+STATS_LAG = 11  # s: an idle session reports its transactions within 10 s (PostgreSQL 15)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def start_cluster() -> Cluster:
+    cluster = Cluster("scale")
+    with open(cluster.data / "postgresql.conf", "a") as conf:  # the last line counts
+        conf.write("max_connections = 400\nshared_buffers = 128MB\n")
+    cluster.start()
+    return cluster
+
+
+def wait_up(fleet: Fleet, names: list[str], deadline: float) -> None:
+    """These replicas' lock sessions are up."""
+    waiting = set(names)
+    while waiting:
+        for name in list(waiting):
+            text = (fleet.root / f"{name}.log").read_text(errors="replace")
+            if "lock session up" in text:
+                waiting.discard(name)
+        if waiting and time.time() > deadline:
+            raise RuntimeError(f"{len(waiting)} replicas not up in time; see {fleet.root}")
+        time.sleep(0.5)
+
+
+def crashed_rows(url: str, start: float, end: float) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM scheduler_ticks WHERE status = 'crashed'"
+            " AND scheduled_at >= to_timestamp(%s) AND scheduled_at < to_timestamp(%s)",
+            (start, end),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def run(
+    server: Server, tree: Path | None, replicas: int, jobs: int, window: float, kills: bool
+) -> dict[str, Any]:
+    database = server.create("scale")
+    fleet = Fleet("ours", server, database, jobs, tree=tree)
+    names = [f"s{i}" for i in range(replicas)]
+    samples: list[Counter[str]] = []
+    killed = 0
+    try:
+        for i, name in enumerate(names):
+            fleet.start(name)
+            if i % 10 == 9:  # in tens: the first imports share 2 cores
+                time.sleep(1.0)
+        wait_up(fleet, names, time.time() + 300)
+        time.sleep(10)  # past the first chores and the catch-up passes
+        start, xacts = time.time(), server.transactions(database)
+        cpu = {r.process.pid: process_cpu(r.process.pid) for r in fleet.replicas}
+        next_kill = start + KILL_EVERY
+        while time.time() < start + window:
+            samples.append(Counter(server.sessions(database).values()))
+            if kills and time.time() >= next_kill:
+                live = [r for r in fleet.replicas if r.process.poll() is None]
+                victim = live[killed % len(live)]
+                cpu[victim.process.pid] = process_cpu(victim.process.pid) - cpu[victim.process.pid]
+                victim.process.send_signal(signal.SIGKILL)
+                killed += 1
+                fleet.start(f"k{killed}")
+                next_kill += KILL_EVERY
+            time.sleep(1.0)
+        end = time.time()
+        for r in fleet.replicas:
+            if r.process.poll() is None:
+                cpu[r.process.pid] = process_cpu(r.process.pid) - cpu.get(r.process.pid, 0.0)
+        time.sleep(STATS_LAG)
+        xacts = server.transactions(database) - xacts
+        crashed = crashed_rows(server.database_url(database), start, end)
+    finally:
+        codes = fleet.stop(timeout=120)
+    result = verify(fleet.runs(), jobs, start, end)
+    elapsed = end - start
+    per_replica = [n for sample in samples for app, n in sample.items() if app in _names(fleet)]
+    totals = [sum(n for app, n in s.items() if app in _names(fleet)) for s in samples]
+    result.update(
+        replicas=replicas,
+        jobs=jobs,
+        window_s=round(elapsed, 1),
+        killed=killed,
+        crashed_rows=crashed,
+        exit_codes=Counter(str(c) for c in codes),
+        sessions_per_replica=statistics.mode(per_replica) if per_replica else None,
+        sessions_per_replica_max=max(per_replica, default=0),
+        sessions_total_median=statistics.median(totals) if totals else None,
+        sessions_total_max=max(totals, default=0),
+        transactions_per_s=round(xacts / elapsed, 1),
+        transactions_per_tick=round(xacts / (jobs * elapsed), 3),
+        cpu_fleet_cores=round(sum(cpu.values()) / elapsed, 2),
+    )
+    server.drop(database)
+    return result
+
+
+def _names(fleet: Fleet) -> set[str]:
+    return {r.name for r in fleet.replicas}
+
+
+def scale(base: Path | None, replicas: int, jobs: int, window: float) -> dict[str, Any]:
+    trees, found_in = sides(base)
+    cluster = start_cluster()
+    out: dict[str, Any] = {}
+    try:
+        server = Server(cluster.url())
+        for scenario, kills in (("steady", False), ("kills", True)):
+            for label, tree in trees.items():
+                log(f"{replicas} replicas x {jobs} jobs, {scenario}, {label} ({found_in[label]})")
+                found = run(server, tree, replicas, jobs, window, kills)
+                out.setdefault(scenario, {})[label] = found
+                log("  " + ", ".join(f"{k} {v}" for k, v in found.items()))
+    finally:
+        cluster.remove()
+    out.update(date=now_iso(), commit=commit_of(BENCH), replicas=replicas, jobs=jobs)
+    if base is not None:
+        out["base_commit"] = commit_of(base)
+    return out
+
+
+COLUMNS = (
+    ("ticks", "ticks"),
+    ("ran_once", "ran once"),
+    ("duplicates", "duplicates"),
+    ("missing", "missing"),
+    ("crashed_rows", "crashed (ledger)"),
+    ("lateness_p50_ms", "lateness p50 (ms)"),
+    ("lateness_p99_ms", "p99 (ms)"),
+    ("sessions_per_replica", "sessions per replica (most samples / most)"),
+    ("sessions_total_max", "sessions, fleet (most)"),
+    ("transactions_per_s", "transactions/s"),
+    ("transactions_per_tick", "per tick"),
+    ("cpu_fleet_cores", "CPU, fleet (cores)"),
+)
+
+
+def render(found: dict[str, Any]) -> str:
+    sides = ["base", "this"] if "base_commit" in found else ["this"]
+    said = (
+        f"(base: {found.get('base_commit', '?')}, this: {found.get('commit', '?')})"
+        if "base" in sides
+        else f"(commit {found.get('commit', '?')})"
+    )
+    lines = [
+        SECTION,
+        "",
+        f"{found['replicas']} replicas, each with the same {found['jobs']} jobs every second (1 ms",
+        "each), on a PostgreSQL cluster of their own; measured by `.venv/bin/python",
+        f"bench/scale.py` on {found.get('date', '?')} {said}. *kills*: a replica",
+        f"SIGKILLed every {KILL_EVERY:g} s and another started in its place.",
+        "",
+        "| run | code | " + " | ".join(title for _, title in COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for scenario in ("steady", "kills"):
+        for side in sides:
+            r = found[scenario][side]
+            cells = []
+            for key, _ in COLUMNS:
+                value = r.get(key)
+                if key == "sessions_per_replica":
+                    value = f"{value} / {r.get('sessions_per_replica_max')}"
+                cells.append(str(value))
+            lines.append(f"| {scenario} | {side} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=Path, help="a checkout to measure side by side")
+    parser.add_argument("--replicas", type=int, default=100)
+    parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--window", type=float, default=120.0, help="seconds measured")
+    args = parser.parse_args()
+    results = scale(args.base, args.replicas, args.jobs, args.window)
+    path = BENCH / "results.json"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored["scale"] = results
+    path.write_text(json.dumps(stored, indent=2, default=str))
+    md = BENCH / "RESULTS.md"
+    text = md.read_text() if md.exists() else ""
+    md.write_text(replace_section(text, render(results), SECTION))
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
