@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -365,6 +366,18 @@ def environment(server: Server) -> dict[str, str]:
     }
 
 
+def others_kept(new: str, old: str) -> str:
+    """`new`, followed by the sections of `old` it does not have: those other scripts
+    wrote (bench/page_load.py's "The page", bench/in_app.py's), kept as they were."""
+    have = {line for line in new.splitlines() if line.startswith("## ")}
+    kept = [
+        section
+        for section in re.split(r"(?m)^(?=## )", old)
+        if section.startswith("## ") and section.splitlines()[0] not in have
+    ]
+    return "\n".join([new.rstrip("\n"), *(k.rstrip("\n") for k in kept)]) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Run the benchmarks; write RESULTS.md.")
     parser.add_argument("--quick", action="store_true", help="shorter windows (smoke test)")
@@ -452,8 +465,9 @@ def main() -> int:
     (BENCH / "results.json").write_text(json.dumps(results, indent=2, default=str))
     from report import render
 
-    text = render(results)
-    (BENCH / "RESULTS.md").write_text(text)
+    md = BENCH / "RESULTS.md"
+    text = others_kept(render(results), md.read_text() if md.exists() else "")
+    md.write_text(text)
     print(text)
     log(f"done in {results['elapsed_s']:.0f} s: bench/RESULTS.md, bench/results.json")
     return 0

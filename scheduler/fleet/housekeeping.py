@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection
 
 from scheduler.backends.base import Crashes
 from scheduler.config.settings import Settings
@@ -182,13 +182,19 @@ class Housekeeping:
     def run_once(self) -> dict[str, int]:
         """Do whichever chores this replica wins; returns what was done.
 
-        An idle replica spends one transaction per period here: the election,
-        the streaks for the metrics, and (if it won) the sweeps, together.
+        One session for the pass: a replica that wins no chore spends three transactions
+        per period here (the session's settings; the election with the streaks for the
+        metrics; its registrations reasserted), one that wins the sweep a few more.
         """
-        done: dict[str, int] = {}
-        engine = self.backend.ledger_engine
         me = self.settings.instance_name
-        with engine.begin() as conn:
+        # One session for the whole pass (opened for it, closed after), a transaction
+        # for each part.
+        with self.backend.ledger_engine.connect() as conn:
+            return self._pass(conn, me)
+
+    def _pass(self, conn: Connection, me: str) -> dict[str, int]:
+        done: dict[str, int] = {}
+        with conn.begin():
             now = self.backend.now_expression()
             sweep = elect(conn, "sweep", now, SWEEP_EVERY)
             prune = elect(conn, "prune", now, PRUNE_EVERY)
@@ -205,7 +211,7 @@ class Housekeeping:
                 crashed = self.sweep_crashed(conn, sweep.at, live | {me})
                 done["crashed"] = len(crashed)
                 raised += self.count_crashes(conn, crashed)
-        with engine.begin() as conn:
+        with conn.begin():
             reassert(conn, me, entries(self.catalog), now)
             if sweep is not None:
                 supersede(conn, live, sweep.at)
@@ -216,7 +222,7 @@ class Housekeeping:
         if raised and self.notices is not None:  # committed: deliver them now
             self.notices.schedule(raised)
         if sweep is not None:  # run-now requests whose taker never said how the run ended
-            with engine.begin() as conn:
+            with conn.begin():
                 done["requests"] = settle_ended_requests(conn, sweep.at)
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart,
@@ -224,14 +230,14 @@ class Housekeeping:
         # window is the fleet's: only a replica that has every job a live replica runs
         # (and so its grace) moves it; another leaves it to one that does.
         if sweep is not None and judges_every_job(self.catalog, registered, live | {me}):
-            with engine.begin() as conn:
+            with conn.begin():
                 since = missed_watermark(conn)
                 done["missed"] = self.sweep_missed(conn, states, since, sweep.at, registered)
                 set_missed_watermark(conn, max(since, sweep.at))
         report_states(self.catalog, states, self.on_streaks, self.on_drift)
         if prune is not None:
             cutoff = prune.at - timedelta(days=self.settings.retention_days)
-            done["pruned"] = prune_before(engine, cutoff)
+            done["pruned"] = prune_before(conn, cutoff)
         return done
 
     def sweep_drift(
@@ -442,14 +448,14 @@ def report_states(
         on_drift({name: state.get("drift_since") is not None for name, state in mine.items()})
 
 
-def prune_before(engine: Engine, cutoff: datetime) -> int:
+def prune_before(conn: Connection, cutoff: datetime) -> int:
     """Retention: registrations, then tick rows, older than `cutoff`, in small batches (a
     transaction each, so no lock is held long). Returns the tick rows removed."""
-    with engine.begin() as conn:
+    with conn.begin():
         prune_registrations(conn, cutoff)
     pruned = 0
     while True:
-        with engine.begin() as conn:
+        with conn.begin():
             removed = prune_batch(conn, cutoff)
         pruned += removed
         if not removed:
