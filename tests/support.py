@@ -433,19 +433,50 @@ class Proxy:
             if self.refusing:
                 client.close()
                 continue
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 if self.receive_buffer:
                     server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer)
                 server.connect(self.upstream)
-            except OSError:
+            except OSError:  # the upstream is down (a failover): the client sees it closed
+                server.close()
                 client.close()
                 continue
-            self.pairs.append((client, server))
+            pair = (client, server)
+            self.pairs.append(pair)
+            ended = self._when_both_end(pair)
             for a, b, gate in ((client, server, self.open), (server, client, self.replies)):
-                threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, gate, ended), daemon=True).start()
 
-    def _pump(self, source, target, gate=None) -> None:
+    def _when_both_end(self, pair):
+        """What each of a pair's two pumps calls as it ends: the second closes the pair (a
+        proxy that outlives many connections, one per chore, keeps no socket of theirs)."""
+        import threading
+
+        lock, left = threading.Lock(), [2]
+
+        def ended() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            for sock in pair:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            with contextlib.suppress(ValueError):
+                self.pairs.remove(pair)
+
+        return ended
+
+    def _pump(self, source, target, gate, ended) -> None:
+        try:
+            self._forward(source, target, gate)
+        finally:
+            with contextlib.suppress(OSError):
+                target.shutdown(2)  # the other direction's pump sees its end too
+            ended()
+
+    def _forward(self, source, target, gate) -> None:
         while True:
             self.open.wait()
             if gate is not None:
@@ -455,8 +486,6 @@ class Proxy:
             except OSError:
                 return
             if not data:
-                with contextlib.suppress(OSError):
-                    target.shutdown(2)
                 return
             self.open.wait()  # data read just before a cut is held, not delivered
             if gate is self.replies:
