@@ -54,6 +54,9 @@ class SessionPerUse(NullPool):
 
     SESSIONS = 2
     WAIT = 30.0
+    # Its log lines go where SQLAlchemy's pools' go, not under the project's logger (where
+    # NullPool's "Pool recreating" would show at INFO at every dispose).
+    _sqla_logger_namespace = "sqlalchemy.pool.impl.SessionPerUse"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -77,20 +80,6 @@ class SessionPerUse(NullPool):
             super()._do_return_conn(record)
         finally:
             self._slots.release()
-
-    def recreate(self) -> SessionPerUse:
-        # NullPool's, without its line at INFO ("Pool recreating" at every dispose): this
-        # class logs under the project's logger, not SQLAlchemy's.
-        return self.__class__(
-            self._creator,
-            recycle=self._recycle,
-            echo=self.echo,
-            logging_name=self._orig_logging_name,
-            reset_on_return=self._reset_on_return,
-            pre_ping=self._pre_ping,
-            _dispatch=self.dispatch,
-            dialect=self._dialect,
-        )
 
 
 def connect_args(instance: str, holder_timeout: float, url: str) -> dict[str, Any]:

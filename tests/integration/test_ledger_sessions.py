@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 
-import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from scheduler.backends.pg_session import SessionPerUse, connect_args, psycopg_engine
+from tests.support import sessions_named
 
 NAME = f"ledger-sessions-{uuid.uuid4().hex[:8]}"  # this test worker's sessions only
 
 
 def open_sessions(database_url: str) -> int:
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (NAME,)
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+    return sessions_named(database_url, NAME)
 
 
 @pytest.fixture
@@ -92,3 +88,11 @@ def test_a_disposed_engine_starts_with_every_slot_free(engine, database_url):
         b.execute(text("SELECT 1"))
     held.close()
     assert open_sessions(database_url) == 0
+
+
+def test_a_dispose_says_nothing_under_the_projects_logger(engine, caplog):
+    with caplog.at_level(logging.INFO, logger="scheduler"):
+        engine.dispose()
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    assert not [r for r in caplog.records if r.name.startswith("scheduler")], caplog.records
