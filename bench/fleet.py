@@ -120,21 +120,28 @@ class Server:
         pg_stat_activity while it ran) and a Counter of statement kinds (the
         function called, or the statement's first words).
         """
+        sessions: dict[int, dict[str, Any]] = defaultdict(lambda: {"app": "", "kinds": Counter()})
+        for pid, sql in self.logged(name, since):
+            sessions[pid]["app"] = apps.get(pid, "")
+            sessions[pid]["kinds"][_kind(sql)] += 1
+        return dict(sessions)
+
+    def logged(self, name: str, since: int) -> list[tuple[int, str]]:
+        """(backend pid, statement) of every statement the server logged for database
+        `name` since the log offset `since` (none without a readable log)."""
         if not self.log_path:
-            return {}
+            return []
         with open(self.log_path, "rb") as f:
             f.seek(since)
             text = f.read().decode(errors="replace")
-        sessions: dict[int, dict[str, Any]] = defaultdict(lambda: {"app": "", "kinds": Counter()})
         pattern = re.compile(
-            r"\[(\d+)\] \S+@" + re.escape(name) + r" LOG:  (statement|execute [^:]*): (.*)"
+            r"\[(\d+)\] \S+@" + re.escape(name) + r" LOG:  (?:statement|execute [^:]*): (.*)"
         )
-        for line in text.splitlines():
-            if (m := pattern.search(line)) is not None:
-                pid = int(m.group(1))
-                sessions[pid]["app"] = apps.get(pid, "")
-                sessions[pid]["kinds"][_kind(m.group(3))] += 1
-        return dict(sessions)
+        return [
+            (int(m.group(1)), m.group(2).strip())
+            for line in text.splitlines()
+            if (m := pattern.search(line)) is not None
+        ]
 
     def logged_transactions(self, name: str, since: int) -> int:
         """Transactions on database `name` in the server's statement log since `since`.
@@ -144,18 +151,10 @@ class Server:
         """
         if not self.log_path:
             return -1
-        with open(self.log_path, "rb") as f:
-            f.seek(since)
-            text = f.read().decode(errors="replace")
-        pattern = re.compile(
-            r"\[(\d+)\] \S+@" + re.escape(name) + r" LOG:  (statement|execute [^:]*): (.*)"
-        )
         open_block: set[int] = set()
         count = 0
-        for line in text.splitlines():
-            if (m := pattern.search(line)) is None:
-                continue
-            pid, sql = int(m.group(1)), m.group(3).strip().upper()
+        for pid, statement in self.logged(name, since):
+            sql = statement.upper()
             if sql.startswith(("BEGIN", "START TRANSACTION")):
                 open_block.add(pid)
             elif sql.startswith(("COMMIT", "ROLLBACK")) and pid in open_block:

@@ -10,7 +10,6 @@ frequent first). `bench/run.py` measures this checkout's over its whole run.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from collections import Counter
@@ -22,14 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from edges import sides
 from fleet import Fleet, Server
 from run import IDLE_INTERVAL_S, SERVER
-
-
-def statements(server: Server, database: str, since: int) -> Counter[str]:
-    with open(server.log_path, "rb") as f:
-        f.seek(since)
-        text = f.read().decode(errors="replace")
-    pattern = re.escape(database) + r" LOG:  (?:statement|execute [^:]*): (.*)"
-    return Counter(m.group(1).strip()[:70] for m in re.finditer(pattern, text))
 
 
 def main() -> int:
@@ -53,7 +44,8 @@ def main() -> int:
         for label, fleet in fleets:
             count = server.logged_transactions(fleet.database, offset)
             print(f"{label} ({found_in[label]}): {count / minutes:.1f} transactions per minute")
-            for sql, n in statements(server, fleet.database, offset).most_common(15):
+            said = Counter(sql[:70] for _, sql in server.logged(fleet.database, offset))
+            for sql, n in said.most_common(15):
                 print(f"  {n / minutes:6.1f}/min  {sql}")
     finally:
         for _, fleet in fleets:
