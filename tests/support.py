@@ -49,6 +49,16 @@ def with_database(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
+def sessions_named(url: str, name: str) -> int:
+    """Sessions on the server whose application_name is `name` (a replica's, by default)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
     """Poll until `condition()` is truthy; generous timeouts, never tight timings."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from scheduler import Replica
-from tests.support import wait_for
+from tests.support import sessions_named, wait_for
 
 JOBS = """
 from scheduler import job
@@ -21,15 +21,6 @@ from scheduler import job
 def beat(ctx):
     pass
 """
-
-
-def sessions(url: str, name: str) -> int:
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def succeeded(url: str) -> int:
@@ -56,10 +47,12 @@ def test_a_replica_runs_ticks_on_postgresql_and_leaves_no_session(config, databa
     replica = Replica(config=config, database_url=database_url, instance_name=name)
     with replica:
         assert replica.active
-        assert sessions(database_url, name) >= 1  # the lock session, at least
+        assert sessions_named(database_url, name) >= 1  # the lock session, at least
         wait_for(lambda: succeeded(database_url) >= 2, 15, "two ticks recorded")
     assert not replica.active
-    wait_for(lambda: sessions(database_url, name) == 0, 5, "no session of the stopped replica")
+    wait_for(
+        lambda: sessions_named(database_url, name) == 0, 5, "no session of the stopped replica"
+    )
 
 
 def test_between_chores_a_replica_holds_its_lock_session_alone(config, database_url):
@@ -71,7 +64,7 @@ def test_between_chores_a_replica_holds_its_lock_session_alone(config, database_
         wait_for(lambda: succeeded(database_url) >= 2, 15, "two ticks recorded")
         seen = []
         for _ in range(20):
-            seen.append(sessions(database_url, name))
+            seen.append(sessions_named(database_url, name))
             time.sleep(0.1)
         # A chore may be going at one sample or two (the first pass comes 1 s in).
         assert max(seen) <= 2, seen

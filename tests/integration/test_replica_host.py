@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psycopg
 
-from tests.integration.test_replica import config, sessions  # noqa: F401  (a fixture)
-from tests.support import wait_for
+from tests.integration.test_replica import config  # noqa: F401  (a fixture)
+from tests.support import sessions_named, wait_for
 
 HOST = """
 import sys, time
@@ -72,15 +72,15 @@ def test_the_standby_takes_over_from_a_killed_active_process(config, database_ur
         second = host(config, database_url, "host-b", lock)
         assert said(second) == "standby"
         wait_for(lambda: ran_by(database_url, "host-a") >= 2, 15, "ticks run by host-a")
-        assert sessions(database_url, "host-b") == 0  # a standby opens no session
-        assert sessions(database_url, "host-a") >= 1
+        assert sessions_named(database_url, "host-b") == 0  # a standby opens no session
+        assert sessions_named(database_url, "host-a") >= 1
         first.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         assert said(second) == "active"
         took = time.monotonic() - killed
         # 0.24-0.33 s measured on a quiet machine (printed below); a loaded one may stall.
         assert took < 5.0, f"took over in {took:.2f} s"
-        wait_for(lambda: sessions(database_url, "host-b") >= 1, 10, "host-b's session")
+        wait_for(lambda: sessions_named(database_url, "host-b") >= 1, 10, "host-b's session")
         print(f"host lock taken {took:.3f} s after the kill, session up {_since(killed):.3f} s")
         wait_for(lambda: ran_by(database_url, "host-b") >= 2, 15, "ticks run by host-b")
     finally:
