@@ -24,6 +24,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("scheduler.replica")
 
 START_TIMEOUT = 30.0  # seconds `start()` waits for the ledger before returning anyway
+READY_POLL = 0.02  # seconds between looks at whether the lock session is up, in `start()`
 JOIN_SLACK = 15.0  # seconds a stop waits beyond the grace for locks to be released
 
 
@@ -207,16 +209,28 @@ class _Run:
         self.thread = threading.Thread(target=self._main, name=f"replica-{name}", daemon=True)
 
     def wait_started(self, timeout: float) -> None:
+        """Until standing by, or scheduling with the lock session up (/readyz 200), or
+        `timeout`: the dispatcher opens that session on its own thread, after the start."""
+        deadline = time.monotonic() + timeout
         self.started.wait(timeout)
         if self.error is not None:
             raise self.error
-        if not self.started.is_set():
+        if not (self.started.is_set() and self._ready_by(deadline)):
             log.warning(
                 "replica %s: the ledger is not ready after %g s; it keeps trying in the"
                 " background (/readyz answers 503 until then)",
                 self.config.settings.instance_name,
                 timeout,
             )
+
+    def _ready_by(self, deadline: float) -> bool:
+        """Whether, by `deadline` (monotonic), this run stands by behind the host lock, has
+        ended, or schedules with its lock session up."""
+        while not (self.ended.is_set() or self.daemon is None or self.daemon.ready()):
+            if time.monotonic() >= deadline:
+                return False
+            self.stopping.wait(READY_POLL)
+        return True
 
     def stop(self, grace: float | None) -> None:
         if not self.stopping.is_set():

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from scheduler import ConfigError, Replica
+from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.cli.commands import main
 from tests.support import wait_for
 
@@ -63,6 +64,20 @@ def test_a_replica_runs_its_jobs_between_start_and_stop(tmp_path, monkeypatch):
     assert len(ticks(tmp_path)) == seen  # stopped: no tick runs
     replica.stop()  # again: nothing to do
     replica.stop(grace=0)
+
+
+def test_start_returns_with_the_lock_session_up(tmp_path, monkeypatch):
+    """The dispatcher opens the lock session on its own thread, after the start: `start()`
+    waits for it, so a probe right after it says ready (not a 503 of a slow connect)."""
+    slow = EmbeddedBackend.connect
+
+    def connect(self: EmbeddedBackend) -> None:
+        time.sleep(0.5)
+        slow(self)
+
+    monkeypatch.setattr(EmbeddedBackend, "connect", connect)
+    with Replica(config=project(tmp_path, monkeypatch), host_lock="off") as replica:
+        assert replica.daemon is not None and replica.daemon.ready()
 
 
 def test_with_and_async_with_start_and_stop(tmp_path, monkeypatch):
