@@ -269,7 +269,10 @@ def test_timeline_lanes_and_a_recent_run(
 def test_job_page_shows_its_history(
     browser, site
 ):  # the browser first: without one, no fleet starts
-    rows = site.history("page_steady")
+    # Paging below needs a tick older than the fourth newest: the fixture waits for three.
+    rows = wait_for(
+        lambda: (found := site.history("page_steady"))[3:] and found, WAIT, "four ticks"
+    )
     browser.get(site.url("page-a", "/jobs/page_steady"))
     shown = settled(lambda: css(browser, "tr.tick"), "the job's history")
     runs = {row.get_attribute("data-run") for row in shown}
