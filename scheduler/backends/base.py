@@ -195,14 +195,15 @@ class LockStore(Protocol):
         replica runs), however many times it was taken; returns the keys released.
 
         The lock invariant's one enforcer: called after any call that may have taken
-        locks fails, and at every heartbeat. Raises SessionLost.
+        locks fails; each heartbeat keeps it too. Raises SessionLost.
         """
 
     def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
         """Record finished runs and release their locks; raises SessionLost."""
 
-    def heartbeat(self) -> datetime:
-        """Prove the session is alive; returns the backend's clock. Raises SessionLost."""
+    def heartbeat(self, expected: Collection[int] | None = None) -> list[int]:
+        """Prove the session is alive; with `expected`, keep the lock invariant in the same
+        round trip (as `release_strays`), returning the keys released. Raises SessionLost."""
 
     def fileno(self) -> int | None:
         """A socket that becomes readable when the server ends the session, if any."""

@@ -476,25 +476,26 @@ class PostgresBackend:
             rows: list[Finished] = named(conn.execute(QUERIES["finish"], params), Finished)
         return [row.result() for row in rows]
 
-    def heartbeat(self) -> datetime:
+    def heartbeat(self, expected: Collection[int] | None = None) -> list[int]:
         """Also looks for run-now requests (one a notification missed is taken in time)
-        and for the next retry.
+        and for the next retry, and keeps the lock invariant: one round trip in all.
 
         And asks whether its node still takes writes: an old primary its operator
         fenced by making it read-only (or restarted as a standby) loses the
         session here, even in a quiet spell with no claim whose write would fail.
         """
+        wanted = None if expected is None else pg_numbers(sorted(expected))
         with self._session() as conn:
-            now, waiting, retry_in, read_only = conn.execute(QUERIES["heartbeat"]).one()
-            if read_only:
+            params = {"ns": self.namespace, "expected": wanted}
+            beat = conn.execute(QUERIES["heartbeat"], params).one()
+            if beat.read_only:
                 driver = conn.connection.driver_connection
                 where = node_of(driver) if isinstance(driver, psycopg.Connection) else "the node"
                 self.close()
                 raise SessionLost(f"{where} no longer takes writes: it is not the primary")
-        assert isinstance(now, datetime)
-        self._requests = self._requests or bool(waiting)
-        self._retry_in = None if retry_in is None else float(retry_in)
-        return now
+        self._requests = self._requests or bool(beat.waiting)
+        self._retry_in = None if beat.retry_in is None else float(beat.retry_in)
+        return list(beat.released)
 
     def retry_due_in(self) -> float | None:
         return self._retry_in

@@ -40,12 +40,16 @@ SELECT key, failures, notice FROM scheduler_count_crashes(:instance, CAST(:keys 
 -- name: heartbeat
 -- The lock session proves it is alive, and looks for run-now requests (scheduler/fleet/run_now.py),
 -- for the next retry of a job that is not paused (seconds from now), and whether its node
--- still is a writable primary (a fenced old primary is not).
-SELECT now(), EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL),
+-- still is a writable primary (a fenced old primary is not). In the same round trip it
+-- keeps the lock invariant (scheduler_release_strays; with :expected NULL, it releases none).
+SELECT EXISTS (SELECT 1 FROM scheduler_requests WHERE taken_by IS NULL) AS waiting,
        (SELECT extract(epoch FROM min(t.retry_at) - now()) FROM scheduler_ticks t
          WHERE t.retry_at IS NOT NULL AND t.status = 'failed'
-           AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key)),
-       pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'
+           AND NOT EXISTS (SELECT 1 FROM scheduler_pauses p WHERE p.job_key = t.job_key))
+         AS retry_in,
+       pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on' AS read_only,
+       ARRAY(SELECT k FROM scheduler_release_strays(:ns, CAST(:expected AS integer[])) k)
+         AS released
 
 -- name: held_locks
 -- Job locks some session of this database holds now (scheduler_locks in postgres.sql).

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from scheduler.config.settings import Settings
 from scheduler.errors import ConfigError, one_line
 from scheduler.fleet import agreement
 from scheduler.fleet.due import InForce
-from scheduler.ledger.election import elect
+from scheduler.ledger.election import Election, elect
 from scheduler.ledger.history import TickRow, running
 from scheduler.ledger.job_states import job_states, set_drift, track_jobs
 from scheduler.ledger.missed import (
@@ -53,7 +54,7 @@ from scheduler.ledger.registrations import (
     supersede,
 )
 from scheduler.ledger.retention import prune_batch, prune_registrations
-from scheduler.ledger.run_now import settle_ended_requests
+from scheduler.ledger.run_now import requests_unsettled, settle_ended_requests
 from scheduler.ledger.times import iso
 from scheduler.registry.catalog import Catalog, schedule_text
 from scheduler.statuses import CRASHED_FOUND_BY_SWEEP
@@ -71,6 +72,19 @@ MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be 
 # How long past its time a retry of a job no live replica has waits before it ends.
 ORPHANED_RETRY_GRACE = timedelta(minutes=10)
 NAMED_IN_A_LINE = 5  # runs or retries a log line names; the rest are counted
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What a pass's first transaction found: the chores won, and which have work."""
+
+    sweep: Election | None
+    prune: Election | None
+    states: dict[int, dict[str, object]]
+    registered: list[Registration] = field(default_factory=list)
+    raised: list[int] = field(default_factory=list)  # notices to deliver once committed
+    settle: bool = False  # run-now requests taken and not settled
+    judge: bool = False  # ticks due in the missed-tick window
 
 
 class NameInUse(ConfigError):
@@ -182,9 +196,10 @@ class Housekeeping:
     def run_once(self) -> dict[str, int]:
         """Do whichever chores this replica wins; returns what was done.
 
-        One session for the pass: a replica that wins no chore spends three transactions
-        per period here (the session's settings; the election with the streaks for the
-        metrics; its registrations reasserted), one that wins the sweep a few more.
+        One session for the pass: a replica that wins no chore spends two transactions
+        per period here (the session's settings; the election, the streaks for the
+        metrics and its registrations reasserted), one that wins the sweep one more for
+        each chore that finds work (run-now requests to settle, ticks to judge missed).
         """
         me = self.settings.instance_name
         # One session for the whole pass (opened for it, closed after), a transaction
@@ -195,50 +210,68 @@ class Housekeeping:
     def _pass(self, conn: Connection, me: str) -> dict[str, int]:
         done: dict[str, int] = {}
         with conn.begin():
-            now = self.backend.now_expression()
-            sweep = elect(conn, "sweep", now, SWEEP_EVERY)
-            prune = elect(conn, "prune", now, PRUNE_EVERY)
-            mark_seen(conn, me, now)
-            states = job_states(conn)
-            if self.notices is not None:
-                done["notices"] = self.notices.adopt(conn, now)
-            raised: list[int] = []
-            if sweep is not None:
-                live = {i["name"] for i in self.backend.live_instances(conn)}
-                # Row locks in the one order (postgres.sql): tick rows, then job rows; the
-                # registrations come in a transaction of their own, next.
-                done["retries_ended"] = self.end_orphaned_retries(conn, sweep.at, live | {me})
-                crashed = self.sweep_crashed(conn, sweep.at, live | {me})
-                done["crashed"] = len(crashed)
-                raised += self.count_crashes(conn, crashed)
-        with conn.begin():
-            reassert(conn, me, entries(self.catalog), now)
-            if sweep is not None:
-                supersede(conn, live, sweep.at)
-                registered = registrations_of(conn)
-                drifting = self.sweep_drift(conn, states, registered, live, sweep.at)
-                done["drift"] = len(drifting)
-                raised += drifting
-        if raised and self.notices is not None:  # committed: deliver them now
-            self.notices.schedule(raised)
-        if sweep is not None:  # run-now requests whose taker never said how the run ended
+            found = self._elect_and_sweep(conn, me, done)
+        if found.raised and self.notices is not None:  # committed: deliver them now
+            self.notices.schedule(found.raised)
+        sweep = found.sweep
+        if sweep is not None and found.settle:  # requests whose taker never said how it ended
             with conn.begin():
                 done["requests"] = settle_ended_requests(conn, sweep.at)
         # Missed ticks are new rows, and new rows come before updates in the one order
         # every transaction takes its row locks in (postgres.sql): a transaction apart,
         # which moves its own watermark, so a sweep cut short here loses no window. The
         # window is the fleet's: only a replica that has every job a live replica runs
-        # (and so its grace) moves it; another leaves it to one that does.
-        if sweep is not None and judges_every_job(self.catalog, registered, live | {me}):
+        # (and so its grace) moves it; another leaves it to one that does. A window with
+        # no tick due in it (as read, unlocked, in the sweep) is left to grow: the next
+        # sweep that finds a tick judges it whole, as this one would have.
+        if sweep is not None and found.judge:
             with conn.begin():
                 since = missed_watermark(conn)
-                done["missed"] = self.sweep_missed(conn, states, since, sweep.at, registered)
+                done["missed"] = self.sweep_missed(
+                    conn, found.states, since, sweep.at, found.registered
+                )
                 set_missed_watermark(conn, max(since, sweep.at))
-        report_states(self.catalog, states, self.on_streaks, self.on_drift)
-        if prune is not None:
-            cutoff = prune.at - timedelta(days=self.settings.retention_days)
+        report_states(self.catalog, found.states, self.on_streaks, self.on_drift)
+        if found.prune is not None:
+            cutoff = found.prune.at - timedelta(days=self.settings.retention_days)
             done["pruned"] = prune_before(conn, cutoff)
         return done
+
+    def _elect_and_sweep(self, conn: Connection, me: str, done: dict[str, int]) -> _Found:
+        """The pass's first transaction: the elections, this replica's liveness and
+        registrations, and, if it won the sweep, the chores that update rows."""
+        now = self.backend.now_expression()
+        sweep = elect(conn, "sweep", now, SWEEP_EVERY)
+        prune = elect(conn, "prune", now, PRUNE_EVERY)
+        mark_seen(conn, me, now)
+        states = job_states(conn)
+        if self.notices is not None:
+            done["notices"] = self.notices.adopt(conn, now)
+        if sweep is None:
+            reassert(conn, me, entries(self.catalog), now)
+            return _Found(None, prune, states)
+        # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
+        live = {i["name"] for i in self.backend.live_instances(conn)}
+        done["retries_ended"] = self.end_orphaned_retries(conn, sweep.at, live | {me})
+        crashed = self.sweep_crashed(conn, sweep.at, live | {me})
+        done["crashed"] = len(crashed)
+        reassert(conn, me, entries(self.catalog), now)
+        supersede(conn, live, sweep.at)
+        registered = registrations_of(conn)
+        raised = self.count_crashes(conn, crashed)
+        drifting = self.sweep_drift(conn, states, registered, live, sweep.at)
+        done["drift"] = len(drifting)
+        judges = judges_every_job(self.catalog, registered, live | {me})
+        window = missed_watermark(conn, lock=False), sweep.at
+        return _Found(
+            sweep,
+            prune,
+            states,
+            registered,
+            raised + drifting,
+            settle=requests_unsettled(conn),
+            judge=judges and bool(self._expected(states, *window, registered)),
+        )
 
     def sweep_drift(
         self,

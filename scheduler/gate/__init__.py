@@ -12,9 +12,9 @@ backend, does each step in order (`Gate.step`):
 - claim the queued ticks (`ticks.py` keeps them, `claims.py` sends them;
   `scheduler_decide`), scheduled ones before manual and caught-up ones;
 - look for due retries (`retries.py`; `scheduler_claim_retries`);
-- at each heartbeat, check the lock invariant: every lock this session holds
-  with no run here is given back (`LockSession.give_back`; `release_strays`), as after any
-  failed call that may have taken locks.
+- at each heartbeat, check the lock invariant in the heartbeat's own round trip:
+  every lock this session holds with no run here is given back (`release_strays`),
+  as after any failed call that may have taken locks (`LockSession.give_back`).
 
 The helpers answer; the dispatcher acts: a claim returns the runs it won and
 the dispatcher starts them (the run table of `runs.py` hands them to worker
@@ -347,20 +347,33 @@ class Gate:
         self._guard(lambda: self._failed(self._claim_retries(), "look for due retries"))
         self._guard(self._record_finishes)
         if session.heartbeat_due():
-            self._guard(lambda: session.round_trip(self.backend.heartbeat))
-            self.retries.due_in(self.backend.retry_due_in())
-            if not self.table.stopping.is_set():  # runs abandoned at shutdown keep theirs
-                self._guard(lambda: self._give_back(after=None))
+            self._guard(self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        """Prove the session alive and keep the lock invariant, in one round trip."""
+        session = self.session
+        expected = None  # runs abandoned at shutdown keep their locks
+        if not self.table.stopping.is_set():
+            expected = self.table.expected_locks(session.opened)
+        released = session.round_trip(lambda: self.backend.heartbeat(expected))
+        self.retries.due_in(self.backend.retry_due_in())
+        assert isinstance(released, list)
+        self._released(released, after=None)
 
     def _failed(self, failed: bool, what: str) -> None:
         """A call that may take locks failed: what it left is given back."""
         if failed:
             self._give_back(after=what)
 
-    def _give_back(self, after: str | None) -> None:
-        """The lock invariant (`LockSession.give_back`): after a failed call (`after` names
-        it), what the call left; at the heartbeat (`after` None), a fault, reported."""
-        released = self.session.give_back(self.table.expected_locks(self.session.opened))
+    def _give_back(self, after: str) -> None:
+        """The lock invariant (`LockSession.give_back`) after a failed call (`after` names
+        it): what the call left."""
+        expected = self.table.expected_locks(self.session.opened)
+        self._released(self.session.give_back(expected), after)
+
+    def _released(self, released: list[int], after: str | None) -> None:
+        """Locks given back: after a failed call, or at the heartbeat (`after` None), where
+        any is a fault."""
         if released:
             desk = self.desk
             named = tuple(

@@ -177,7 +177,8 @@ class LockSession:
     def give_back(self, expected: set[int]) -> list[int]:
         """Release every lock the session holds but `expected` (the jobs it runs): the lock
         invariant. Advisory locks outlive the rollback of the transaction that took them,
-        so this follows any failed call that may have taken locks, and each heartbeat.
+        so this follows any failed call that may have taken locks (each heartbeat keeps the
+        invariant too, in its own round trip: `Backend.heartbeat`).
         No claim is in flight meanwhile: the dispatcher alone talks to the backend. A
         session that cannot do this is given up, which releases every lock.
         """

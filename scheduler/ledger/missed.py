@@ -25,11 +25,11 @@ def existing_ticks(
     return found
 
 
-def missed_watermark(conn: Connection) -> datetime:
-    """How far the sweep has recorded missed ticks; the row stays locked until the commit,
-    which also moves it (`set_missed_watermark`): a sweep cut short moves nothing."""
+def missed_watermark(conn: Connection, lock: bool = True) -> datetime:
+    """How far the sweep has recorded missed ticks; locked, the row stays so until the
+    commit, which also moves it (`set_missed_watermark`): a sweep cut short moves nothing."""
     query = select(maintenance.c.last_run_at).where(maintenance.c.task == "missed")
-    found: datetime = conn.execute(query.with_for_update()).scalar_one()
+    found: datetime = conn.execute(query.with_for_update() if lock else query).scalar_one()
     return found
 
 

@@ -153,6 +153,13 @@ def settle_request(
 SETTLE_AT_ONCE = 100  # taken, unsettled requests housekeeping looks at per sweep, newest first
 
 
+def requests_unsettled(conn: Connection) -> bool:
+    """Whether any request was taken and not yet settled (a read, no row locked)."""
+    r = run_requests
+    query = select(r.c.id).where(r.c.taken_by.is_not(None), r.c.finished_at.is_(None)).limit(1)
+    return conn.execute(query).first() is not None
+
+
 def settle_ended_requests(conn: Connection, now: Any) -> int:
     """Settle taken requests whose run has ended, from its row (housekeeping): the replica
     that ran it may have died, or failed to write the outcome, before it did."""

@@ -324,3 +324,50 @@ def test_a_sweep_cut_short_after_its_election_loses_no_missed_tick(backend_facto
     assert done["missed"] == len(missed)
     # From the last sweep before the failure (two minutes ago, less the grace and margin).
     assert min(missed) <= now - timedelta(minutes=2) + timedelta(seconds=1)
+
+
+def test_a_pass_spends_one_transaction_and_one_more_per_chore_with_work(backend_factory):
+    """The idle budget of housekeeping: one session and one transaction for a pass that
+    wins the sweep and finds nothing to do; the missed-tick window then waits for a pass
+    that has a tick to judge, which spends one transaction more and judges it whole."""
+    from sqlalchemy import event, update
+
+    quiet, busy = job_every(651, 3600, "hourly"), job_every(652, 10, "busy")
+    backend = backend_factory("h")
+    now = datetime.now(UTC).replace(microsecond=0)
+    track(backend, quiet, now)
+    began: list[object] = []
+    opened: list[object] = []
+    event.listen(backend.ledger_engine, "begin", began.append)
+    event.listen(backend.ledger_engine, "connect", lambda *a: opened.append(a))
+
+    def next_sweep(last_missed: datetime | None = None) -> None:
+        with backend.ledger_engine.begin() as conn:
+            for task, last in (("sweep", now - timedelta(minutes=1)), ("prune", now)):
+                conn.execute(
+                    update(tables.maintenance)
+                    .where(tables.maintenance.c.task == task)
+                    .values(last_run_at=last)
+                )
+            if last_missed is not None:
+                conn.execute(
+                    update(tables.maintenance)
+                    .where(tables.maintenance.c.task == "missed")
+                    .values(last_run_at=last_missed)
+                )
+        began.clear()
+        opened.clear()
+
+    next_sweep(last_missed=now - timedelta(minutes=5))
+    done = Housekeeping(backend, Catalog((quiet,)), settings()).run_once()
+    assert "crashed" in done and not {"missed", "requests", "pruned"} & set(done)
+    assert len(began) == 1 and len(opened) <= 1  # the file's engine may keep its connection
+    track(backend, busy, now - timedelta(minutes=10))
+    next_sweep()
+    done = Housekeeping(backend, Catalog((quiet, busy)), settings()).run_once()
+    assert len(began) == 2 and len(opened) <= 1
+    with backend.ledger_engine.connect() as conn:
+        missed = [r.scheduled_at for r in history(conn, TickFilter(652, limit=1000))]
+    assert done["missed"] == len(missed) > 0
+    # The window left to grow by the first pass (five minutes back) is judged whole.
+    assert min(missed) <= now - timedelta(minutes=5) - busy.missed_after + timedelta(seconds=1)

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import update
+from sqlalchemy import event, update
 
 from scheduler.backends.base import Intent
 from scheduler.backends.embedded import EmbeddedBackend
@@ -357,6 +357,27 @@ def test_the_heartbeat_releases_a_stray_lock_and_says_so(replica):
         assert replica.held() == {900}
         (released,) = replica.seen.of(events.LocksReleased)
         assert released.jobs == ((77, None),) and released.after is None
+
+
+def test_the_heartbeat_keeps_the_invariant_in_its_own_round_trip(replica):
+    """One statement proves the session alive and gives strays back (none with `None`,
+    as at shutdown, where abandoned runs keep their locks)."""
+    backend = replica.backend
+    replica.gate.step()  # the lock session up
+    statements: list[str] = []
+    if isinstance(backend, EmbeddedBackend):
+        assert backend.locks.try_lock(77)
+    else:
+        assert backend._conn is not None
+        backend._conn.exec_driver_sql(f"SELECT pg_advisory_lock({NAMESPACE}, 77)")
+        event.listen(backend.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    assert backend.heartbeat(None) == []
+    assert 77 in replica.held()
+    assert backend.heartbeat({5}) == [77]
+    assert 77 not in replica.held()
+    assert backend.heartbeat({5}) == []
+    if isinstance(backend, PostgresBackend):
+        assert len(statements) == 3, statements
 
 
 def _retry_pending(replica: Replica, key: int) -> bool:
