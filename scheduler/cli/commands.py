@@ -516,8 +516,7 @@ def _status(config: Config, catalog: Catalog, tz: tzinfo, *, as_json: bool) -> i
             }
         )
     print()
-    columns = ["job", "key", "schedule", "running", "last", "skips", "failures", "alerting"]
-    table(rows, [*columns, "paused", "schedules", "next_tick"])
+    table(rows)
     return EXIT_OK
 
 

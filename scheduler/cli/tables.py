@@ -11,8 +11,13 @@ from scheduler.text import printable
 MAX_CELL = 120  # characters of one cell (an error) in a text table; JSON has it whole
 
 
-def table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """Aligned columns; what a job or a name said is shown escaped (one row, one line)."""
+def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+    """Aligned columns (None: the first row's keys, in order; no rows, no table); what a
+    job or a name said is shown escaped (one row, one line)."""
+    if columns is None:
+        if not rows:
+            return
+        columns = list(rows[0])
     cells = [[_cell(row[c]) for c in columns] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())

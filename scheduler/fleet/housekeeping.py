@@ -32,7 +32,7 @@ from scheduler.config.settings import Settings
 from scheduler.errors import ConfigError, one_line
 from scheduler.fleet import agreement
 from scheduler.fleet.due import InForce
-from scheduler.ledger.election import Election, elect
+from scheduler.ledger.election import Chore, Election, elect
 from scheduler.ledger.history import TickRow, running
 from scheduler.ledger.job_states import job_states, set_drift, track_jobs
 from scheduler.ledger.missed import (
@@ -241,8 +241,8 @@ class Housekeeping:
         """The pass's first transaction: the elections, this replica's liveness and
         registrations, and, if it won the sweep, the chores that update rows."""
         now = self.backend.now_expression()
-        sweep = elect(conn, "sweep", now, SWEEP_EVERY)
-        prune = elect(conn, "prune", now, PRUNE_EVERY)
+        sweep = elect(conn, Chore.SWEEP, now, SWEEP_EVERY)
+        prune = elect(conn, Chore.PRUNE, now, PRUNE_EVERY)
         mark_seen(conn, me, now)
         states = job_states(conn)
         if self.notices is not None:
@@ -270,7 +270,7 @@ class Housekeeping:
             registered,
             raised + drifting,
             settle=requests_unsettled(conn),
-            judge=judges and bool(self._expected(states, *window, registered)),
+            judge=judges and bool(due_ticks(self.catalog, states, *window, registered)),
         )
 
     def sweep_drift(
@@ -408,7 +408,7 @@ class Housekeeping:
         # Never past the ledger's clock as it reads now: a `now` from a clock that has
         # since stepped back would name ticks that are not due yet.
         now = min(now, self.backend.now(conn))
-        expected = self._expected(states, previous, now, registered)
+        expected = due_ticks(self.catalog, states, previous, now, registered)
         if not expected:
             return 0
         have = existing_ticks(conn, expected)
@@ -424,30 +424,33 @@ class Housekeeping:
             log.warning("recorded %d missed tick(s): no replica claimed them in time", recorded)
         return recorded
 
-    def _expected(
-        self,
-        states: dict[int, dict[str, object]],
-        previous: datetime,
-        now: datetime,
-        registered: list[Registration],
-    ) -> list[tuple[int, datetime]]:
-        by_job: dict[int, list[Registration]] = {}
-        for r in registered:
-            by_job.setdefault(r.key, []).append(r)
-        expected: list[tuple[int, datetime]] = []
-        for job in self.catalog.scheduled:
-            state = states.get(job.key)
-            if state is None:
-                continue
-            since = state["tracked_since"]
-            assert isinstance(since, datetime)
-            start = max(since, previous - job.missed_after - MISSED_MARGIN)
-            until = now - job.missed_after - MISSED_MARGIN  # never a tick still in its grace
-            if until <= start:
-                continue
-            ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
-            expected += [(job.key, tick) for tick in ticks]
-        return expected
+
+def due_ticks(
+    catalog: Catalog,
+    states: dict[int, dict[str, object]],
+    previous: datetime,
+    now: datetime,
+    registered: list[Registration],
+) -> list[tuple[int, datetime]]:
+    """The ticks (key, instant) that left their grace since the sweep `previous`: by the
+    schedules in force then, at most `MISSED_LIMIT` per job."""
+    by_job: dict[int, list[Registration]] = {}
+    for r in registered:
+        by_job.setdefault(r.key, []).append(r)
+    expected: list[tuple[int, datetime]] = []
+    for job in catalog.scheduled:
+        state = states.get(job.key)
+        if state is None:
+            continue
+        since = state["tracked_since"]
+        assert isinstance(since, datetime)
+        start = max(since, previous - job.missed_after - MISSED_MARGIN)
+        until = now - job.missed_after - MISSED_MARGIN  # never a tick still in its grace
+        if until <= start:
+            continue
+        ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
+        expected += [(job.key, tick) for tick in ticks]
+    return expected
 
 
 def entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:

@@ -174,6 +174,13 @@ class LockSession:
         self.backend.close()
         self._retry_at = self.monotonic() + self._backoff.next_delay()
 
+    def heartbeat(self, expected: set[int] | None) -> list[int]:
+        """Prove the session alive and, unless `expected` is None, keep the lock invariant
+        (see `give_back`) in the same round trip; returns the locks given back."""
+        released = self.round_trip(lambda: self.backend.heartbeat(expected))
+        assert isinstance(released, list)
+        return released
+
     def give_back(self, expected: set[int]) -> list[int]:
         """Release every lock the session holds but `expected` (the jobs it runs): the lock
         invariant. Advisory locks outlive the rollback of the transaction that took them,

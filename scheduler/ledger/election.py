@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, select, update
 
 from scheduler.ledger.tables import maintenance
 
-# "missed" is not elected: its last_run_at is how far missed ticks have been recorded.
-MAINTENANCE_TASKS = ("sweep", "prune", "missed")
+
+class Chore(StrEnum):
+    """The rows of scheduler_maintenance, one per fleet chore."""
+
+    SWEEP = "sweep"
+    PRUNE = "prune"
+    MISSED = "missed"  # not elected: how far the sweep has recorded missed ticks
 
 
 class Election(NamedTuple):
@@ -20,7 +26,7 @@ class Election(NamedTuple):
     at: datetime  # the backend's clock as the election read it: the chore's "now"
 
 
-def elect(conn: Connection, task: str, now: Any, every: float) -> Election | None:
+def elect(conn: Connection, task: Chore, now: Any, every: float) -> Election | None:
     """One replica at a time does a fleet chore: whoever moves its clock forward first.
 
     `now` is the backend's clock (PostgreSQL: ``now()``, the same for every

@@ -7,6 +7,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, select, tuple_, update
 
+from scheduler.ledger.election import Chore
 from scheduler.ledger.tables import maintenance, pauses, ticks, upsert
 from scheduler.statuses import Status
 
@@ -28,14 +29,14 @@ def existing_ticks(
 def missed_watermark(conn: Connection, lock: bool = True) -> datetime:
     """How far the sweep has recorded missed ticks; locked, the row stays so until the
     commit, which also moves it (`set_missed_watermark`): a sweep cut short moves nothing."""
-    query = select(maintenance.c.last_run_at).where(maintenance.c.task == "missed")
+    query = select(maintenance.c.last_run_at).where(maintenance.c.task == Chore.MISSED)
     found: datetime = conn.execute(query.with_for_update() if lock else query).scalar_one()
     return found
 
 
 def set_missed_watermark(conn: Connection, until: datetime) -> None:
     conn.execute(
-        update(maintenance).where(maintenance.c.task == "missed").values(last_run_at=until)
+        update(maintenance).where(maintenance.c.task == Chore.MISSED).values(last_run_at=until)
     )
 
 

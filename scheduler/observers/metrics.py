@@ -8,6 +8,7 @@ gives the fleet's figure without double counting.
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,6 +27,13 @@ DURATION_BUCKETS = (0.005, 0.05, 0.25, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600)
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60)
+
+
+class Delivery(StrEnum):
+    """The `result` label of `scheduler_webhook_deliveries_total`."""
+
+    OK = "ok"
+    FAILED = "failed"
 
 
 class Metrics(events.Observer):
@@ -198,7 +206,7 @@ class Metrics(events.Observer):
         self.alerts.labels(event=name, job=job).inc()
 
     def delivery(self, name: str, ok: bool) -> None:
-        self.webhook.labels(event=name, result="ok" if ok else "failed").inc()
+        self.webhook.labels(event=name, result=Delivery.OK if ok else Delivery.FAILED).inc()
 
     def streaks(self, skips: dict[str, int]) -> None:
         """The fleet's streaks as read from the ledger (housekeeping refreshes them)."""
