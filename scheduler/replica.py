@@ -162,6 +162,12 @@ class Replica:
         run = self._current()
         return None if run is None else run.config
 
+    @property
+    def catalog(self) -> Catalog | None:
+        """The jobs the replica was last started with."""
+        run = self._current()
+        return None if run is None else run.catalog
+
     def asgi(self) -> ASGIApp:
         """The page, /api, /metrics, /healthz and /readyz as an ASGI app, under any prefix."""
         from scheduler.web.asgi import ASGIApp

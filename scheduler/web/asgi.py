@@ -29,7 +29,7 @@ from scheduler.web.server import (
 )
 
 if TYPE_CHECKING:
-    from scheduler.replica import Replica
+    from scheduler.web.hosted import HostedReplica
 
 PATH_SAFE = "/:@!$&'()*+,;=-._~"  # what a path keeps unencoded (RFC 3986)
 Scope = MutableMapping[str, Any]
@@ -39,7 +39,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class ASGIApp:
-    def __init__(self, replica: Replica, workers: int = ROUTE_WORKERS) -> None:
+    def __init__(self, replica: HostedReplica, workers: int = ROUTE_WORKERS) -> None:
         self.replica = replica
         self.hosted = Hosted(replica)
         self.workers = workers

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from scheduler.backends import open_backend
 from scheduler.config.budgets import PROBES
 from scheduler.web.server import (
     Reply,
@@ -35,10 +36,46 @@ from scheduler.web.server import (
 
 if TYPE_CHECKING:
     from scheduler.backends import Backend
-    from scheduler.daemon import Daemon
-    from scheduler.replica import Replica
+    from scheduler.config.settings import Config, Settings
+    from scheduler.registry.catalog import Catalog
 
 Routes = Mapping[tuple[str, str], Route]
+
+
+class Metrics(Protocol):
+    def render(self) -> bytes: ...
+
+
+class Active(Protocol):
+    """What the app reads of the active replica's daemon (`scheduler.daemon.Daemon`)."""
+
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def catalog(self) -> Catalog: ...
+    @property
+    def metrics(self) -> Metrics | None: ...
+    def live(self) -> bool: ...
+    def ready(self) -> bool: ...
+
+
+class HostedReplica(Protocol):
+    """What the app reads of its replica (`scheduler.Replica`): the web layer sits below
+    the replica and the daemon, and knows them only by this shape."""
+
+    @property
+    def daemon(self) -> Active | None: ...
+    @property
+    def standby(self) -> bool: ...
+    @property
+    def config(self) -> Config | None: ...
+    @property
+    def catalog(self) -> Catalog | None: ...
+    def start(self) -> object: ...
+    def stop(self) -> None: ...
+
 
 STOPPED = Reply(503, b"stopped\n")
 NOT_RUNNING = Reply(503, b"the scheduler is not running in this process\n")
@@ -53,7 +90,7 @@ ACTIVE_GAUGE = (
 class Hosted:
     """Answers requests for one replica, whatever it is now (active, standby, stopped)."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: HostedReplica) -> None:
         self.replica = replica
         self._guard = threading.Lock()
         self._page: tuple[object, Routes] | None = None  # the routes, and what they read
@@ -76,7 +113,7 @@ class Hosted:
             ("GET", "/metrics"): lambda _: self._metrics(),
         }
 
-    def _probe(self, check: Callable[[Daemon], bool]) -> Reply:
+    def _probe(self, check: Callable[[Active], bool]) -> Reply:
         daemon = self.replica.daemon
         if daemon is not None:
             return Reply(200, b"ok\n") if check(daemon) else Reply(503, b"unavailable\n")
@@ -91,33 +128,37 @@ class Hosted:
         return Reply(200, body + gauge, CONTENT_TYPE_LATEST)
 
     def _page_routes(self) -> Routes:
-        """The page's routes for what the replica is now, made once for each daemon or run."""
+        """The page's routes for what the replica is now, made once for each daemon or
+        start (its configuration)."""
         daemon = self.replica.daemon
-        run = self.replica._current()
-        standby = run if self.replica.standby else None
-        subject: object | None = daemon if daemon is not None else standby
-        if subject is None:
+        if daemon is not None:
+            # The catalog as the daemon has it now (a reload replaces it).
+            return self._made(
+                daemon, lambda: _page(daemon.backend, lambda: daemon.catalog, daemon.settings)
+            )
+        config, catalog = self.replica.config, self.replica.catalog
+        if not self.replica.standby or config is None or catalog is None:
             return {key: lambda _: NOT_RUNNING for key in _PAGE_KEYS}
+        return self._made(config, lambda: _standby_page(config.settings, catalog))
+
+    def _made(self, subject: object, make: Callable[[], Routes]) -> Routes:
         with self._guard:
             if self._page is None or self._page[0] is not subject:
-                self._page = (subject, self._made(subject))
+                self._page = (subject, make())
             return self._page[1]
 
-    def _made(self, subject: object) -> Routes:
-        from scheduler.daemon import Daemon
-        from scheduler.web.routes import Page
 
-        if isinstance(subject, Daemon):
-            daemon = subject
-            return Page(daemon.backend, lambda: daemon.catalog, daemon.settings).routes()
-        from scheduler.backends import open_backend
-        from scheduler.replica import _Run
+def _page(backend: Backend, catalog: Callable[[], Catalog], settings: Settings) -> Routes:
+    from scheduler.web.routes import Page
 
-        assert isinstance(subject, _Run)
-        run = subject
-        backend = open_backend(run.config.settings)  # opens nothing until a page is read
-        routes = Page(backend, lambda: run.catalog, run.config.settings).routes()
-        return {key: _closing(route, backend) for key, route in routes.items()}
+    return Page(backend, catalog, settings).routes()
+
+
+def _standby_page(settings: Settings, catalog: Catalog) -> Routes:
+    """A standby keeps no session: each page request opens its own, closed after it."""
+    backend = open_backend(settings)  # opens nothing until a page is read
+    routes = _page(backend, lambda: catalog, settings)
+    return {key: _closing(route, backend) for key, route in routes.items()}
 
 
 def _closing(route: Route, backend: Backend) -> Route:

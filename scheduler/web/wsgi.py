@@ -19,13 +19,13 @@ from scheduler.web.hosted import Hosted, prefixed
 from scheduler.web.server import Refused, Reply, Request, header_pairs, sendable
 
 if TYPE_CHECKING:
-    from scheduler.replica import Replica
+    from scheduler.web.hosted import HostedReplica
 
 StartResponse = Callable[..., Any]
 
 
 class WSGIApp:
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: HostedReplica) -> None:
         self.replica = replica
         self.hosted = Hosted(replica)
 
