@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet import BENCH, SERVER, Fleet, Server, now_iso, quantile
+from fleet import BENCH, SERVER, Fleet, Server, now_iso, quantile, run_fleet
 
 REPLICAS = 3
 MAX_WORKERS = 20
@@ -227,8 +227,6 @@ def _s(value: float | None) -> float | None:
 
 def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
     """1,000 jobs on 1 s intervals: lateness and transactions, as bench/run.py measures."""
-    from run import run_fleet
-
     r = run_fleet(server, "ours", REPLICAS, STEADY_JOBS, window, max_workers=MAX_WORKERS, tree=tree)
     keys = ("ticks", "ran_once", "duplicates", "missing", "lateness_p50_ms", "lateness_p99_ms")
     return {

@@ -345,3 +345,78 @@ def _ms(value: float | None) -> float | None:
 
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def wait_for_runs(fleet: Fleet, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while fleet.first_run_at() is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{fleet.kind}: no run within {timeout:g} s; see {fleet.root}")
+        time.sleep(0.2)
+
+
+def run_fleet(
+    server: Server,
+    kind: str,
+    replicas: int,
+    jobs: int,
+    window: float,
+    *,
+    offsets: tuple[str | None, ...] | None = None,
+    max_workers: int | None = None,
+    job_seconds: float = 0.001,
+    statements: bool = False,
+    warmup: float = 2.0,
+    tree: Path | None = None,
+) -> dict[str, Any]:
+    """Start a fleet, let it warm up, measure a window, stop it, check what ran."""
+    database = server.create(f"{kind}{replicas}x{jobs}", log_statements=statements)
+    fleet = Fleet(kind, server, database, jobs, job_seconds, max_workers, tree=tree)
+    log_start = server.log_offset()
+    sessions: Counter[str] = Counter()  # the most each replica held at one sample
+    held: Counter[int] = Counter()  # samples x replicas that held that many sessions
+    apps: dict[int, str] = {}
+    try:
+        for i in range(replicas):
+            fleet.start(f"{kind}-{i}", clock_offset=offsets[i] if offsets else None)
+        wait_for_runs(fleet)
+        time.sleep(warmup)
+        start, xacts = time.time(), server.transactions(database)
+        cpu = [process_cpu(r.process.pid) for r in fleet.replicas]
+        while time.time() < start + window:
+            now = server.sessions(database)
+            apps.update(now)
+            for app, count in Counter(now.values()).items():
+                sessions[app] = max(sessions[app], count)
+                held[count] += 1
+            time.sleep(0.5)
+        end = time.time()
+        xacts = server.transactions(database) - xacts
+        cpu = [process_cpu(r.process.pid) - c for r, c in zip(fleet.replicas, cpu, strict=True)]
+        rss = [process_rss_mb(r.process.pid) for r in fleet.replicas]
+    finally:
+        codes = fleet.stop()
+    runs = fleet.runs()
+    result = verify(runs, jobs, start, end)
+    elapsed = end - start
+    result.update(
+        kind=kind,
+        replicas=replicas,
+        jobs=jobs,
+        exit_codes=codes,
+        ticks_per_s_once=round(result["ran_once"] / result["seconds"], 1),
+        transactions_per_tick=round(xacts / (jobs * elapsed), 3),
+        # per run started in the window: the same when every tick runs, and higher when a
+        # fleet that falls behind leaves ticks to the sweep (which records them in bulk)
+        transactions_per_run=round(xacts / max(1, sum(start <= r["start"] < end for r in runs)), 3),
+        cpu_per_replica_pct=round(100 * sum(cpu) / len(cpu) / elapsed, 1),
+        rss_mb=round(max(rss), 1),
+        # What a replica holds between chores (most samples), and the most, during one.
+        sessions_per_replica=held.most_common(1)[0][0] if held else 0,
+        sessions_per_replica_max=max(sessions.values(), default=0),
+        by_instance=dict(Counter(r["instance"] for r in runs)),
+    )
+    if statements:
+        result["statements"] = server.statements(database, log_start, apps)
+    server.drop(database)
+    return result
