@@ -8,7 +8,9 @@ are documented in docs/cli.md. The command line and the page's API (`/api/status
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, tzinfo
 from typing import Any
@@ -36,9 +38,27 @@ def _reading(backend: Backend) -> Engine:
     return backend.ledger_engine.execution_options(**{READ_ONLY: True})
 
 
-def history(backend: Backend, wanted: TickFilter) -> list[dict[str, Any]]:
-    with _reading(backend).connect() as conn:
-        return [row.as_json() for row in ledger_history.history(conn, wanted)]
+def reading(backend: Backend) -> AbstractContextManager[Connection]:
+    """One read transaction, on a ledger session opened for it and closed after: a page
+    passes its connection to every read below, so a request costs one session."""
+    return _reading(backend).begin()
+
+
+@contextlib.contextmanager
+def _within(backend: Backend, conn: Connection | None) -> Iterator[Connection]:
+    """The caller's read transaction, or one of its own."""
+    if conn is not None:
+        yield conn
+        return
+    with reading(backend) as own:
+        yield own
+
+
+def history(
+    backend: Backend, wanted: TickFilter, conn: Connection | None = None
+) -> list[dict[str, Any]]:
+    with _within(backend, conn) as reads:
+        return [row.as_json() for row in ledger_history.history(reads, wanted)]
 
 
 @dataclass(frozen=True)
@@ -106,11 +126,13 @@ def schedule_checks(backend: Backend, catalog: Catalog) -> list[tuple[bool, str]
     return out
 
 
-def next_ticks(backend: Backend, job: CatalogJob, now: datetime, n: int) -> list[datetime]:
+def next_ticks(
+    backend: Backend, job: CatalogJob, now: datetime, n: int, conn: Connection | None = None
+) -> list[datetime]:
     """The job's next `n` ticks as the live replicas fire them (scheduler.fleet.due)."""
-    with backend.ledger_engine.connect() as conn:
-        live = {i["name"] for i in backend.live_instances(conn)}
-        registered = registrations_of(conn, [job.key])
+    with _within(backend, conn) as reads:
+        live = {i["name"] for i in backend.live_instances(reads)}
+        registered = registrations_of(reads, [job.key])
     return due.upcoming(job, registered, live, now, n)
 
 
@@ -135,15 +157,16 @@ def fleet_status(
     now: datetime,
     standbys: Sequence[str] = (),
     root: str = "",
+    conn: Connection | None = None,
 ) -> dict[str, Any]:
     """The fleet now; `standbys`: the replicas on standby behind the host lock, on the
     host that asks (they hold no session, so the ledger cannot know them); `root`: the
     prefix the page is served under, for each job's `job_url`."""
     # One read transaction; the embedded backend reads its file locks without taking
     # any (a probe could make a concurrent claim see its lock as taken).
-    with _reading(backend).begin() as conn:
-        instances = backend.live_instances(conn)
-        snapshot = _read(backend, conn, catalog, {i["name"] for i in instances})
+    with _within(backend, conn) as reads:
+        instances = backend.live_instances(reads)
+        snapshot = _read(backend, reads, catalog, {i["name"] for i in instances})
     notes = getattr(backend, "notes", None)
     return {
         "backend": backend.name,

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import desc, select
+from sqlalchemy import Connection, desc, select
 
 from scheduler.backends import Backend
-from scheduler.fleet.status import fleet_status, history, next_ticks
+from scheduler.fleet.status import fleet_status, history, next_ticks, reading
 from scheduler.ledger import tables
 from scheduler.ledger.history import TickFilter
 from scheduler.ledger.times import iso
@@ -107,8 +107,8 @@ def index(
     standbys: Sequence[str] = (),
 ) -> dict[str, Any]:
     span = window.window_ending(now, WINDOWS[wanted.window])
-    status = fleet_status(backend, catalog, now, standbys)
-    with backend.ledger_engine.connect() as conn:
+    with reading(backend) as conn:  # one ledger session for the page
+        status = fleet_status(backend, catalog, now, standbys, conn=conn)
         lanes = window.read_lanes(conn, span, [i["name"] for i in status["instances"]])
     rows = [_row(job, catalog.by_name(job["name"]), now) for job in status["jobs"]]
     shown = [r for r in rows if wanted.query.lower() in r["name"].lower()]
@@ -139,30 +139,33 @@ def job_page(
     older_than: datetime | None,
 ) -> dict[str, Any]:
     """One job; its history from the newest tick, or from `older_than` (inclusive) back."""
-    status = fleet_status(backend, catalog, now)
+    with reading(backend) as conn:  # one ledger session for the page
+        status = fleet_status(backend, catalog, now, conn=conn)
+        page = TickFilter(key=job.key, until=older_than, limit=HISTORY_PAGE + 1)
+        rows = history(backend, page, conn)
+        finished = history(backend, TickFilter(key=job.key, statuses=FINISHED, limit=PLOTTED), conn)
+        upcoming = next_ticks(backend, job, now, 10, conn)
+        notices = recent_notices(conn, job.key)
     (entry,) = [j for j in status["jobs"] if j["name"] == job.name]
-    rows = history(backend, TickFilter(key=job.key, until=older_than, limit=HISTORY_PAGE + 1))
-    finished = history(backend, TickFilter(key=job.key, statuses=FINISHED, limit=PLOTTED))
     more = len(rows) > HISTORY_PAGE
     rows = rows[:HISTORY_PAGE]
     return {
         "job": _row(entry, job, now),
-        "next_ticks": [job.local(t) for t in next_ticks(backend, job, now, 10)],
+        "next_ticks": [job.local(t) for t in upcoming],
         "history": rows,
         "older": rows[-1]["scheduled_at"] if more and rows else None,
         "paged": older_than is not None,
         "plot": plot.render(plot.points(finished)),
         "plotted": len(finished),
-        "notices": recent_notices(backend, job.key),
+        "notices": notices,
     }
 
 
-def recent_notices(backend: Backend, key: int) -> list[dict[str, Any]]:
+def recent_notices(conn: Connection, key: int) -> list[dict[str, Any]]:
     """The job's latest notices (alerts, recoveries, pauses), each as its sentence."""
     n = tables.notices
     query = select(n).where(n.c.job_key == key).order_by(desc(n.c.id)).limit(NOTICES)
-    with backend.ledger_engine.connect() as conn:
-        found = [dict(row._mapping) for row in conn.execute(query)]
+    found = [dict(row._mapping) for row in conn.execute(query)]
     return [
         {
             "event": row["event"],

@@ -6,13 +6,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import event, insert
 from sqlalchemy.exc import DBAPIError
 
 from scheduler.ledger import tables
 from scheduler.web.reading import ReadingBackend
+from scheduler.web.server import Request
 from tests.unit.conftest import page_of, two_jobs
-from tests.unit.test_page_fuzz import filled, walk_every_get
+from tests.unit.test_page_fuzz import answer, filled, walk_every_get
 from tests.unit.test_page_input import dump
 from tests.unit.test_page_views import TOKEN
 
@@ -52,3 +53,16 @@ def test_a_reading_transaction_is_refused_writes_by_postgresql(page):
         conn.execute(insert(tables.ticks).values(**row))
     with page.backend.ledger_engine.begin() as conn:  # the pool still writes
         conn.execute(insert(tables.ticks).values(**row))
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs/sync", "/jobs/report"])
+def test_a_page_request_opens_one_ledger_session(page, path):
+    """A replica opens a ledger session for each use (docs/operating.md: Sessions): a page
+    that read its parts on a session each would queue behind the other uses on a busy
+    replica. Everything a page shows is read in one transaction, on one session."""
+    page, cookie = filled(page)
+    opened: list[object] = []
+    event.listen(page.backend.ledger_engine, "connect", lambda *a: opened.append(a))
+    reply = answer(page, Request("GET", path, "", {"cookie": cookie}, b"", "::1"))
+    assert reply.status == 200, reply.body[:300]
+    assert len(opened) == 1
