@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -270,7 +270,9 @@ class Housekeeping:
             registered,
             raised + drifting,
             settle=requests_unsettled(conn),
-            judge=judges and bool(due_ticks(self.catalog, states, *window, registered)),
+            # Stops at the first job with a tick due: a busy fleet's window is judged in
+            # full once, in the transaction apart, not twice.
+            judge=judges and any(due_ticks(self.catalog, states, *window, registered)),
         )
 
     def sweep_drift(
@@ -408,7 +410,7 @@ class Housekeeping:
         # Never past the ledger's clock as it reads now: a `now` from a clock that has
         # since stepped back would name ticks that are not due yet.
         now = min(now, self.backend.now(conn))
-        expected = due_ticks(self.catalog, states, previous, now, registered)
+        expected = list(due_ticks(self.catalog, states, previous, now, registered))
         if not expected:
             return 0
         have = existing_ticks(conn, expected)
@@ -431,13 +433,12 @@ def due_ticks(
     previous: datetime,
     now: datetime,
     registered: list[Registration],
-) -> list[tuple[int, datetime]]:
+) -> Iterator[tuple[int, datetime]]:
     """The ticks (key, instant) that left their grace since the sweep `previous`: by the
-    schedules in force then, at most `MISSED_LIMIT` per job."""
+    schedules in force then, at most `MISSED_LIMIT` per job, one job after another."""
     by_job: dict[int, list[Registration]] = {}
     for r in registered:
         by_job.setdefault(r.key, []).append(r)
-    expected: list[tuple[int, datetime]] = []
     for job in catalog.scheduled:
         state = states.get(job.key)
         if state is None:
@@ -448,9 +449,8 @@ def due_ticks(
         until = now - job.missed_after - MISSED_MARGIN  # never a tick still in its grace
         if until <= start:
             continue
-        ticks = InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT)
-        expected += [(job.key, tick) for tick in ticks]
-    return expected
+        for tick in InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT):
+            yield job.key, tick
 
 
 def entries(catalog: Catalog) -> list[tuple[int, str, str | None]]:
