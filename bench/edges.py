@@ -55,21 +55,18 @@ def log(message: str) -> None:
 
 
 def which_scheduler(tree: Path | None) -> str:
-    """Where the replicas' `scheduler` package comes from (checked, not assumed)."""
-    env = {"PYTHONPATH": str(tree)} if tree else {}
+    """Where the replicas' `scheduler` package comes from (checked, not assumed): with the
+    environment they get (`Fleet.start`: a tree's PYTHONPATH, or this process's)."""
+    env = dict(os.environ) if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
         [sys.executable, "-c", "import scheduler; print(scheduler.__file__)"],
         capture_output=True,
         text=True,
         cwd="/",
-        env={**_environ(), **env},
+        env=env,
         check=True,
     )
     return str(Path(out.stdout.strip()).parent.parent)
-
-
-def _environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def wait_ready(fleet: Fleet, deadline: float) -> None:
