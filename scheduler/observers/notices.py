@@ -233,9 +233,12 @@ class Notices(events.Observer):
                 )
             self._done(notice, "delivered")
             return
-        delay = min(MAX_RETRY, FIRST_RETRY * 2**notice.attempts)
         now = self.clock()
-        if now + timedelta(seconds=delay) - notice.raised_at > GIVE_UP_AFTER:
+        # The last retry falls at the deadline itself: a notice is retried for the whole
+        # GIVE_UP_AFTER, and given up only once it has passed.
+        deadline = notice.raised_at + GIVE_UP_AFTER
+        delay = min(MAX_RETRY, FIRST_RETRY * 2**notice.attempts, (deadline - now).total_seconds())
+        if delay <= 0:
             log.error(
                 "webhook %s: giving up on %s after %d attempts: %s",
                 self.shown,

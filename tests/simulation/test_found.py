@@ -134,3 +134,12 @@ def test_ticks_the_sweeps_limit_left_are_not_asked_for(pg_server):
     played = play("postgresql", pg_server, 3035, draw(3035, 500))
     assert played.violation is None, played.violation
     assert played.faults["killed_session"] + played.faults["database_restart"] > 0
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "embedded"])
+def test_a_notice_is_not_given_up_before_its_fifteen_minutes(kind, pg_server):
+    """Seed 5009 (800 steps): a notice whose next retry, after its backoff, would have fallen
+    past its 15 minutes was given up at once, up to a minute early, never delivered
+    (every_notice_delivered). The last retry now falls at the deadline itself."""
+    played = play(kind, pg_server, 5009, draw(5009, 800))
+    assert played.violation is None, played.violation

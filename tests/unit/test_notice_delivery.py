@@ -144,3 +144,29 @@ def test_the_webhook_text_is_escaped_for_slack_and_the_log_line_is_not(event, fi
     assert said.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") in text
     assert said in notice.log_line()  # people read the log as it was said
     assert notice.body()[field] == said  # the JSON fields are data, not Slack text
+
+
+def test_a_notice_is_retried_until_its_deadline_and_given_up_only_then(backend):
+    """The last retry falls at GIVE_UP_AFTER itself, however long the backoff has grown:
+    a notice is never given up before its 15 minutes (docs/operating.md: Alerts)."""
+    from datetime import timedelta
+
+    from scheduler.observers.alerts import Notice
+    from scheduler.observers.notices import GIVE_UP_AFTER
+
+    ident = raise_notice(backend, "late", 3)
+    raised = row(backend, ident).raised_at.replace(tzinfo=UTC)
+    deadline = raised + GIVE_UP_AFTER
+    clock = [deadline - timedelta(seconds=20)]  # the backoff would now wait 60 s
+    notices = Notices(backend.ledger_engine, "u1", "http://127.0.0.1:9/", clock=lambda: clock[0])
+    try:
+        notice = Notice.from_row({**row(backend, ident)._mapping, "attempts": 9})
+        notices._record(notice, "connection refused")
+        found = row(backend, ident)
+        assert found.outcome is None
+        assert found.next_attempt_at.replace(tzinfo=UTC) == deadline
+        clock[0] = deadline  # that last retry failed too
+        notices._record(notice, "connection refused")
+        assert row(backend, ident).outcome == "given_up"
+    finally:
+        notices.close(0)
