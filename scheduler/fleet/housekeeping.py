@@ -46,6 +46,7 @@ from scheduler.ledger.orphans import end_retry, mark_crashed, pending_retries
 from scheduler.ledger.outbox import add_notice
 from scheduler.ledger.registrations import (
     Registration,
+    by_job,
     mark_seen,
     reassert,
     register,
@@ -436,9 +437,7 @@ def due_ticks(
 ) -> Iterator[tuple[int, datetime]]:
     """The ticks (key, instant) that left their grace since the sweep `previous`: by the
     schedules in force then, at most `MISSED_LIMIT` per job, one job after another."""
-    by_job: dict[int, list[Registration]] = {}
-    for r in registered:
-        by_job.setdefault(r.key, []).append(r)
+    grouped = by_job(registered)
     for job in catalog.scheduled:
         state = states.get(job.key)
         if state is None:
@@ -449,7 +448,7 @@ def due_ticks(
         until = now - job.missed_after - MISSED_MARGIN  # never a tick still in its grace
         if until <= start:
             continue
-        for tick in InForce(by_job.get(job.key, [])).between(start, until, MISSED_LIMIT):
+        for tick in InForce(grouped.get(job.key, [])).between(start, until, MISSED_LIMIT):
             yield job.key, tick
 
 

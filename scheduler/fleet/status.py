@@ -25,7 +25,7 @@ from scheduler.fleet import agreement, due, pauses
 from scheduler.ledger import history as ledger_history
 from scheduler.ledger.history import TickFilter, TickRow, latest_of
 from scheduler.ledger.job_states import job_states
-from scheduler.ledger.registrations import Registration, registrations_of, seen_at
+from scheduler.ledger.registrations import Registration, by_job, registrations_of, seen_at
 from scheduler.ledger.times import iso
 from scheduler.registry.catalog import Catalog, CatalogJob, schedule_text
 from scheduler.statuses import FINISHED, Status
@@ -189,9 +189,6 @@ def fleet_status(
 def _read(backend: Backend, conn: Connection, catalog: Catalog, live: set[str]) -> _Snapshot:
     running = {row.key: row for row in ledger_history.running(conn)}
     registered = registrations_of(conn)
-    by_job: dict[int, list[Registration]] = {}
-    for r in registered:
-        by_job.setdefault(r.key, []).append(r)
     gone = sorted({r.instance for r in running.values() if r.instance} - live)
     return _Snapshot(
         live=live,
@@ -200,7 +197,7 @@ def _read(backend: Backend, conn: Connection, catalog: Catalog, live: set[str]) 
         latest=latest_of(conn, [job.key for job in catalog], FINISHED),
         states=job_states(conn),
         paused=pauses.paused_jobs(conn),
-        by_job=by_job,
+        by_job=by_job(registered),
         variants=agreement.live_schedules(registered, live),
         seen=seen_at(conn, gone),
     )

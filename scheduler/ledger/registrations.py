@@ -68,6 +68,14 @@ def _take_over(
         )
 
 
+def by_job(registered: list[Registration]) -> dict[int, list[Registration]]:
+    """Registrations grouped by job key, each job's in their order."""
+    grouped: dict[int, list[Registration]] = {}
+    for r in registered:
+        grouped.setdefault(r.key, []).append(r)
+    return grouped
+
+
 def registered_instances(conn: Connection) -> set[str]:
     """The replicas that have some schedule in force (an open registration)."""
     query = select(registrations.c.instance).where(registrations.c.until.is_(None)).distinct()
