@@ -43,7 +43,7 @@ from scheduler.ledger.missed import (
     set_missed_watermark,
 )
 from scheduler.ledger.orphans import end_retry, mark_crashed, pending_retries
-from scheduler.ledger.outbox import add_notice
+from scheduler.ledger.outbox import add_notice, adopt_notices
 from scheduler.ledger.registrations import (
     Registration,
     by_job,
@@ -83,7 +83,9 @@ class _Found:
     prune: Election | None
     states: dict[int, dict[str, object]]
     registered: list[Registration] = field(default_factory=list)
-    raised: list[int] = field(default_factory=list)  # notices to deliver once committed
+    # Notices leased to this replica (adopted, or raised by the sweep): handed to the
+    # deliverer only once committed, as its reads need the lease (Notices.deliver).
+    deliver: list[int] = field(default_factory=list)
     settle: bool = False  # run-now requests taken and not settled
     judge: bool = False  # ticks due in the missed-tick window
 
@@ -212,8 +214,8 @@ class Housekeeping:
         done: dict[str, int] = {}
         with conn.begin():
             found = self._elect_and_sweep(conn, me, done)
-        if found.raised and self.notices is not None:  # committed: deliver them now
-            self.notices.schedule(found.raised)
+        if found.deliver and self.notices is not None:  # committed: deliver them now
+            self.notices.schedule(found.deliver)
         sweep = found.sweep
         if sweep is not None and found.settle:  # requests whose taker never said how it ended
             with conn.begin():
@@ -246,11 +248,12 @@ class Housekeeping:
         prune = elect(conn, Chore.PRUNE, now, PRUNE_EVERY)
         mark_seen(conn, me, now)
         states = job_states(conn)
-        if self.notices is not None:
-            done["notices"] = self.notices.adopt(conn, now)
+        adopted = adopt_notices(conn, me, now) if self.notices is not None else []
+        if adopted:
+            done["notices"] = len(adopted)
         if sweep is None:
             reassert(conn, me, entries(self.catalog), now)
-            return _Found(None, prune, states)
+            return _Found(None, prune, states, deliver=adopted)
         # Row locks in the one order (postgres.sql): tick rows, registrations, job rows.
         live = {i["name"] for i in self.backend.live_instances(conn)}
         done["retries_ended"] = self.end_orphaned_retries(conn, sweep.at, live | {me})
@@ -269,7 +272,7 @@ class Housekeeping:
             prune,
             states,
             registered,
-            raised + drifting,
+            adopted + raised + drifting,
             settle=requests_unsettled(conn),
             # Stops at the first job with a tick due: a busy fleet's window is judged in
             # full once, in the transaction apart, not twice.

@@ -5,7 +5,7 @@ transaction, leased to the replica that committed it (scheduler.ledger.outbox). 
 replica learns the notice's id from the answer and delivers it at once. If it
 never reads the answer (its session died after the commit) or dies while
 delivering, the lease runs out and whichever replica's housekeeping comes by
-next adopts it (`adopt`). A failed POST is tried again with backoff (1 s
+next adopts it (scheduler.fleet.housekeeping). A failed POST is tried again with backoff (1 s
 doubling to 60 s, for up to 15 minutes after the notice was raised), each
 retry also recorded in the outbox, so retries survive the replica too.
 
@@ -30,16 +30,14 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 
 from scheduler.config.budgets import ATTEMPT_DEADLINE, NOTICE_ATTEMPTS_AT_ONCE, NOTICES_QUEUED
 from scheduler.config.schedules import format_duration
 from scheduler.errors import one_line
 from scheduler.ledger.outbox import (
     add_notice,
-    adopt_notices,
     leased_notices,
     notice_done,
     notice_retry,
@@ -122,14 +120,10 @@ class Notices(events.Observer):
             return
         self.schedule([notice])
 
-    def adopt(self, conn: Connection, now: Any) -> int:
-        """Inside housekeeping's transaction: take over notices nobody is delivering."""
-        ids = adopt_notices(conn, self.instance, now)
-        if ids:
-            self.schedule(ids)
-        return len(ids)
-
     def schedule(self, ids: tuple[int, ...] | list[int], delay: float = 0.0) -> None:
+        """Deliver these notices after `delay`. Only once the transaction that leased them to
+        this replica has committed: the delivery reads them on a session of its own, and
+        drops a notice whose lease it cannot see (another replica's, as far as it knows)."""
         due = self.monotonic() + delay
         with self._cv:
             if self._closed:

@@ -7,6 +7,7 @@ from itertools import pairwise
 
 import psycopg
 import pytest
+from sqlalchemy import select
 
 from scheduler.backends.base import ClaimRequest, Intent, Outcome
 from scheduler.backends.postgres import PostgresBackend
@@ -15,8 +16,10 @@ from scheduler.fleet.housekeeping import MISSED_MARGIN, Housekeeping
 from scheduler.ledger import tables
 from scheduler.ledger.history import TickFilter, history
 from scheduler.ledger.job_states import job_states, track_jobs
+from scheduler.ledger.outbox import add_notice
 from scheduler.ledger.registrations import register, registrations_of, supersede
 from scheduler.ledger.retention import prune_batch
+from scheduler.observers.notices import Notices
 from scheduler.registry.catalog import Catalog, schedule_text
 from tests.support import make_job, wait_for
 
@@ -372,3 +375,38 @@ def test_a_pass_spends_one_transaction_and_one_more_per_chore_with_work(backend_
     # The window the first pass left to grow (from five minutes back) is judged whole; had
     # that pass moved the watermark, this one would start less than a minute back.
     assert min(missed) < now - timedelta(minutes=4)
+
+
+class LeaseWitness(Notices):
+    """A deliverer that, for each notice handed to it, reads who holds the notice's lease on
+    a session of its own, as the delivery thread does, and delivers nothing."""
+
+    def __init__(self, engine, instance: str) -> None:
+        super().__init__(engine, instance)
+        self.seen: dict[int, str | None] = {}
+
+    def schedule(self, ids, delay: float = 0.0) -> None:
+        n = tables.notices
+        with self.engine.connect() as conn:
+            for row in conn.execute(select(n.c.id, n.c.lease_by).where(n.c.id.in_(list(ids)))):
+                self.seen[row.id] = row.lease_by
+
+
+def test_a_pass_hands_a_notice_to_its_deliverer_only_once_its_lease_is_committed(
+    backend_factory,
+):
+    """The delivery reads a notice only if it sees this replica's lease: a notice handed over
+    inside the transaction that adopted it was dropped, its lease then kept by nobody for
+    30 s, again at every adoption that lost the race, and it was never delivered."""
+    job = make_job(661, lambda ctx: None, name="told")
+    backend = backend_factory("hk")
+    then = datetime.now(UTC) - timedelta(minutes=2)
+    with backend.ledger_engine.begin() as conn:
+        unleased = add_notice(conn, "job.paused", 661, "told", {}, raised_by="cli", now=then)
+        dead = add_notice(
+            conn, "job.skips_exceeded", 661, "told", {}, raised_by="r9", now=then, deliverer="r9"
+        )  # r9 died delivering it: its lease ran out
+    witness = LeaseWitness(backend.ledger_engine, "hk")
+    done = Housekeeping(backend, Catalog((job,)), settings(), notices=witness).run_once()
+    assert done["notices"] == 2
+    assert witness.seen == {unleased: "hk", dead: "hk"}

@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from scheduler.ledger.outbox import adopt_notices
 from scheduler.observers import events
 from scheduler.observers.notices import Notices
 
@@ -109,12 +110,15 @@ class SimNotices(Notices):
             self.failed += 1  # the leases run out, others adopt
 
     def adopt_now(self) -> int:
+        """What housekeeping does: adopt in its transaction, hand over once committed."""
         try:
             with self.engine.begin() as conn:
-                return self.adopt(conn, self.clock())
+                ids = adopt_notices(conn, self.instance, self.clock())
         except Exception:
             self.failed += 1
             return 0
+        self.schedule(ids)
+        return len(ids)
 
 
 def outbox_clock(ahead: Callable[[], float]) -> Callable[[], datetime]:
