@@ -53,6 +53,7 @@ from scheduler.ledger.registrations import (
     registrations_of,
     seen_at,
     supersede,
+    take_turns,
 )
 from scheduler.ledger.retention import prune_batch, prune_registrations
 from scheduler.ledger.run_now import requests_unsettled, settle_ended_requests
@@ -124,6 +125,7 @@ class Housekeeping:
         engine = self.backend.ledger_engine
         me = self.settings.instance_name
         with engine.begin() as conn:
+            take_turns(conn)  # first: who is live, and what is registered, as it stands then
             now = self.backend.now(conn)
             live = {i["name"]: i for i in self.backend.live_instances(conn)}
             if me in live:
@@ -145,6 +147,7 @@ class Housekeeping:
         """
         engine = self.backend.ledger_engine
         with engine.begin() as conn:
+            take_turns(conn)
             now = self.backend.now(conn)
             live = {i["name"] for i in self.backend.live_instances(conn)}
             self._register(conn, catalog, live - {self.settings.instance_name}, now)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, delete, select, text, update
 
 from scheduler.ledger.tables import registrations, seen, upsert
 
@@ -20,6 +20,20 @@ class Registration:
     schedule: str | None
     since: datetime
     until: datetime | None
+
+
+def take_turns(conn: Connection) -> None:
+    """Writers of registrations take turns, each until its transaction ends.
+
+    Each writer reads the rows, then writes from what it read. Two replicas that start
+    together each took over the other's row (its replica looked gone) and kept its own
+    as found, and both rows went: the fleet lost the schedule both ran, and the ticks of
+    its downtime were then never due (no catch-up, no missed row). A table lock that only
+    writers take (plain reads go on) makes the second read what the first wrote. SQLite
+    has one writer at a time already (BEGIN IMMEDIATE).
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text(f"LOCK TABLE {registrations.name} IN SHARE ROW EXCLUSIVE MODE"))
 
 
 def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Registration]:
@@ -97,6 +111,7 @@ def register(
     runs no more (a reload, a restart with another config.yaml) ends now, and its
     row stays: the ticks from before the change are judged by it (scheduler.fleet.due).
     """
+    take_turns(conn)
     found = registrations_of(conn)
     heirs = _inheritance(found, instance, live)
     _take_over(conn, heirs, {(key, schedule) for key, _, schedule in entries}, [*live, instance])
@@ -148,6 +163,7 @@ def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
 
 def supersede(conn: Connection, live: set[str], now: datetime) -> int:
     """Schedules of replicas that are gone end where a live replica runs another schedule."""
+    take_turns(conn)
     found = registrations_of(conn)
     running = {(r.key, r.schedule) for r in found if r.instance in live and r.until is None}
     live_keys = {key for key, _ in running}
@@ -172,6 +188,7 @@ def reassert(
     and one from now is added if it is gone or another; the rows its own changes ended
     stay ended.
     """
+    take_turns(conn)
     query = select(registrations).where(registrations.c.instance == instance)
     newest = {r.job_key: r for r in conn.execute(query.order_by(registrations.c.since))}
     put_back = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 
@@ -410,3 +411,34 @@ def test_a_pass_hands_a_notice_to_its_deliverer_only_once_its_lease_is_committed
     done = Housekeeping(backend, Catalog((job,)), settings(), notices=witness).run_once()
     assert done["notices"] == 2
     assert witness.seen == {unleased: "hk", dead: "hk"}
+
+
+def test_replicas_that_register_together_keep_the_schedule_both_ran(backend_factory):
+    """Two replicas restart together, and neither is live yet, so each looks gone to the
+    other. Each took over the other's row and kept its own as it had read it, and both
+    rows went: the ticks of the downtime were then never due. Writers take turns now."""
+    job = make_job(671, lambda ctx: None, name="both")
+    first, second = backend_factory("r1"), backend_factory("r2")
+    entries = [(job.key, job.name, schedule_text(job))]
+    then = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=10)
+    for instance, other in (("r1", "r2"), ("r2", "r1")):  # both have run it since then
+        with first.ledger_engine.begin() as conn:
+            register(conn, instance, entries, {other}, then)
+    now = then + timedelta(minutes=10)
+
+    def restart_second() -> None:
+        with second.ledger_engine.begin() as conn:
+            register(conn, "r2", entries, set(), now)
+
+    with first.ledger_engine.connect() as conn:
+        assert len(registrations_of(conn, [job.key])) == 2
+    restart = threading.Thread(target=restart_second)
+    with first.ledger_engine.begin() as conn:
+        register(conn, "r1", entries, set(), now)
+        restart.start()
+        restart.join(1.0)  # without turns, it has written and committed by now
+    restart.join(30)
+    with first.ledger_engine.connect() as conn:
+        open_rows = [r for r in registrations_of(conn, [job.key]) if r.until is None]
+    assert open_rows, "the fleet lost the schedule it ran"
+    assert min(r.since for r in open_rows) == then
