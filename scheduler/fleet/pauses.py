@@ -21,7 +21,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, delete, select
 
-from scheduler.errors import ConfigError
+from scheduler.errors import ConfigError, LedgerError
 from scheduler.ledger import tables
 from scheduler.ledger.outbox import add_notice
 from scheduler.ledger.times import iso
@@ -30,6 +30,7 @@ from scheduler.text import printable, storable
 
 MAX_REASON = 500  # characters of a pause's reason
 MAX_ACTOR = 200  # characters of who paused or resumed
+PAUSE_TRIES = 3  # a pause found in force, and resumed before it was read: tried again
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,13 @@ def checked(text: str | None, what: str, limit: int) -> str | None:
     return text or None
 
 
-def paused_jobs(conn: Connection) -> dict[int, Pause]:
+def paused_jobs(conn: Connection, key: int | None = None) -> dict[int, Pause]:
+    """The pauses in force (of the job `key` alone, if given)."""
     p = tables.pauses
+    query = select(p) if key is None else select(p).where(p.c.job_key == key)
     return {
         row.job_key: Pause(row.job_key, row.job_name, row.paused_by, row.paused_at, row.reason)
-        for row in conn.execute(select(p))
+        for row in conn.execute(query)
     }
 
 
@@ -90,11 +93,22 @@ def pause(
         .on_conflict_do_nothing(index_elements=[p.c.job_key])
         .returning(p.c.job_key)
     )
-    made = conn.execute(statement).first() is not None
+    # The pause found in force may be ended by a resume that commits between the two
+    # statements: then this call pauses the job after all (a few tries, then the error).
+    for _ in range(PAUSE_TRIES):
+        made = conn.execute(statement).first() is not None
+        in_force = paused_jobs(conn, key).get(key)
+        if in_force is not None:
+            break
+    else:
+        raise LedgerError(
+            f"job {name}: paused and resumed by others {PAUSE_TRIES} times while this pause "
+            "was being made; nothing changed here: try again"
+        )
     if made:
         facts = {"by": by, "at": iso(now), "reason": reason}
         add_notice(conn, alerts.JOB_PAUSED, key, name, facts, raised_by=by, now=now)
-    return paused_jobs(conn)[key], made
+    return in_force, made
 
 
 def resume(conn: Connection, key: int, name: str, *, by: str, now: datetime) -> Pause | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import select
 
 from scheduler.backends.base import Intent, Outcome
@@ -269,3 +270,30 @@ def test_a_pause_committed_while_a_retry_look_waits_on_a_row_is_honoured(databas
     finally:
         backend.close()
         backend.ledger_engine.dispose()
+
+
+def test_a_pause_found_in_force_and_resumed_before_it_is_read_pauses_the_job(backends):
+    """The pause in force is ended by a resume that commits between this call's insert (which
+    found it) and its read: the call pauses the job itself, and says so, never a KeyError."""
+    from sqlalchemy import event
+
+    if backends.kind != "postgresql":
+        pytest.skip("SQLite has one writer at a time: no resume commits in between")
+    a, b = backends("a"), backends("b")
+    pause(a, reason="first", by="alice")
+    inserts = []
+
+    def resume_in_between(conn, cursor, statement, *args) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO SCHEDULER_PAUSES") and not inserts:
+            inserts.append(statement)
+            resume(b, by="bob")  # another session, committed
+
+    engine = a.ledger_engine
+    event.listen(engine, "after_cursor_execute", resume_in_between)
+    try:
+        found, made = pause(a, reason="second", by="carol")
+    finally:
+        event.remove(engine, "after_cursor_execute", resume_in_between)
+    assert inserts, "the pause's insert was not seen"
+    assert made and found.by == "carol" and found.reason == "second"
+    assert [n["event"] for n in notices(a)] == ["job.paused", "job.resumed", "job.paused"]
