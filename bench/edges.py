@@ -40,12 +40,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet import BENCH, SERVER, Fleet, Server, now_iso, quantile, run_fleet
+from fleet import BENCH, SERVER, BusyByPhase, Fleet, Server, now_iso, quantile, run_fleet
 
 REPLICAS = 3
 MAX_WORKERS = 20
 BURSTS = (1000, 5000)
 STEADY_JOBS = 1000
+PHASES = 20  # the steady run's CPU busy, by 50 ms of the second
 SECTION = "## At the edges"
 STATS_LAG = 11  # s: an idle session reports its transactions within 10 s (PostgreSQL 15)
 
@@ -224,13 +225,29 @@ def _s(value: float | None) -> float | None:
 
 def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
     """1,000 jobs on 1 s intervals: lateness and transactions, as bench/run.py measures."""
-    r = run_fleet(server, "ours", REPLICAS, STEADY_JOBS, window, max_workers=MAX_WORKERS, tree=tree)
+    r = run_fleet(
+        server,
+        "ours",
+        REPLICAS,
+        STEADY_JOBS,
+        window,
+        max_workers=MAX_WORKERS,
+        tree=tree,
+        busy=BusyByPhase(bins=PHASES),
+    )
     keys = ("ticks", "ran_once", "duplicates", "missing", "lateness_p50_ms", "lateness_p99_ms")
+    cores = r["replicas_cpu_cores"] + r["server_cpu_cores"]
     return {
         **{k: r[k] for k in keys},
         "transactions_per_tick": r["transactions_per_tick"],
         "transactions_per_run": r["transactions_per_run"],
         "cpu_per_replica_pct": r["cpu_per_replica_pct"],
+        "replicas_cpu_cores": r["replicas_cpu_cores"],
+        "server_cpu_cores": r["server_cpu_cores"],
+        # Each second's ticks fall due together: their work, spread over every core of
+        # this machine, is as short as the drain of a second could be.
+        "cpu_bound_ms": round(1000 * cores / (os.cpu_count() or 1), 1),
+        "busy_by_phase": r["busy_by_phase"],
     }
 
 
@@ -333,16 +350,41 @@ def render(edges: dict[str, Any]) -> str:
         "for the fleet):",
         "",
         "| code | ticks | ran once | duplicates | missing | lateness p50 (ms) | p99 (ms) "
-        "| transactions per tick | per run | CPU per replica |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| transactions per tick | per run | CPU per replica | CPU, replicas / server (cores) "
+        "| CPU bound (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for side in sides:
         s = edges["steady"][side]
         lines.append(
             f"| {side} | {s['ticks']} | {s['ran_once']} | {s['duplicates']} | {s['missing']} "
             f"| {s['lateness_p50_ms']} | {s['lateness_p99_ms']} | {s['transactions_per_tick']} "
-            f"| {s['transactions_per_run']} | {s['cpu_per_replica_pct']}% |"
+            f"| {s['transactions_per_run']} | {s['cpu_per_replica_pct']}% "
+            f"| {s.get('replicas_cpu_cores', '?')} / {s.get('server_cpu_cores', '?')} "
+            f"| {s.get('cpu_bound_ms', '?')} |"
         )
+    lines += [
+        "",
+        "*CPU*: the replicas' and the PostgreSQL server's CPU over the window (cores: CPU",
+        "seconds per second). Each second's ticks fall due together, so their work is done",
+        "in a burst: *CPU bound* is that work spread over every core of this machine, the",
+        "shortest the drain of a second could be with the work as it is. A p99 lateness",
+        "close to it means the drain is held by the CPU, not by a wait.",
+    ]
+    for side in sides:
+        phases = edges["steady"][side].get("busy_by_phase")
+        if phases:
+            step = 1000 // len(phases)
+            shown = ", ".join(
+                f"{i * step}-{(i + 1) * step} ms {round(100 * b)}%"
+                for i, b in enumerate(phases)
+                if i < 8
+            )
+            lines += [
+                "",
+                f"The machine's CPU busy (both cores) by phase of the second, {side}: {shown}; "
+                f"later phases at most {round(100 * max(phases[8:], default=0))}%.",
+            ]
     r = ratios(edges)
     if r:
         lines += ["", "This code over the base (below 1: better):", ""]

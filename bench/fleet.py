@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -183,6 +184,58 @@ def process_cpu(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def server_cpu() -> float:
+    """CPU seconds the local PostgreSQL's processes (named `postgres`) have used: their sum
+    over a window measures the server's share of the work (sessions that end inside the
+    window are left out; a fleet's sessions last the whole window)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    total += process_cpu(int(entry.name))
+            except OSError:
+                continue
+    return total
+
+
+class BusyByPhase:
+    """How busy this machine's CPUs are, by phase of the wall-clock second (`bins` of it),
+    sampled from /proc/stat every few milliseconds between `start` and `stop`: where
+    every tick falls due on a whole second, it shows how long each second's work holds
+    the CPU."""
+
+    def __init__(self, bins: int = 20, every: float = 0.004) -> None:
+        self.bins, self.every = bins, every
+        self.total, self.idle = [0] * bins, [0] * bins
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[float]:
+        """The busy fraction of each bin, from the second's start."""
+        self._stop.set()
+        self._thread.join(5)
+        pairs = zip(self.total, self.idle, strict=True)
+        return [round(1 - idle / total, 2) if total else 0.0 for total, idle in pairs]
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(values), values[3] + values[4]  # idle and iowait
+
+    def _sample(self) -> None:
+        before, (total, idle) = time.time(), self._read()
+        while not self._stop.wait(self.every):
+            now, (total2, idle2) = time.time(), self._read()
+            phase = int(((before + now) / 2 % 1) * self.bins)
+            self.total[phase] += total2 - total
+            self.idle[phase] += idle2 - idle
+            before, total, idle = now, total2, idle2
 
 
 def process_rss_mb(pid: int) -> float:
@@ -368,8 +421,10 @@ def run_fleet(
     statements: bool = False,
     warmup: float = 2.0,
     tree: Path | None = None,
+    busy: BusyByPhase | None = None,
 ) -> dict[str, Any]:
-    """Start a fleet, let it warm up, measure a window, stop it, check what ran."""
+    """Start a fleet, let it warm up, measure a window, stop it, check what ran (and, with
+    `busy`, how busy the CPUs were by phase of the second during the window)."""
     database = server.create(f"{kind}{replicas}x{jobs}", log_statements=statements)
     fleet = Fleet(kind, server, database, jobs, job_seconds, max_workers, tree=tree)
     log_start = server.log_offset()
@@ -383,6 +438,9 @@ def run_fleet(
         time.sleep(warmup)
         start, xacts = time.time(), server.transactions(database)
         cpu = [process_cpu(r.process.pid) for r in fleet.replicas]
+        server_cpu_start = server_cpu()
+        if busy is not None:
+            busy.start()
         while time.time() < start + window:
             now = server.sessions(database)
             apps.update(now)
@@ -393,6 +451,8 @@ def run_fleet(
         end = time.time()
         xacts = server.transactions(database) - xacts
         cpu = [process_cpu(r.process.pid) - c for r, c in zip(fleet.replicas, cpu, strict=True)]
+        server_cpu_used = server_cpu() - server_cpu_start
+        busy_by_phase = busy.stop() if busy is not None else None
         rss = [process_rss_mb(r.process.pid) for r in fleet.replicas]
     finally:
         codes = fleet.stop()
@@ -410,6 +470,9 @@ def run_fleet(
         # fleet that falls behind leaves ticks to the sweep (which records them in bulk)
         transactions_per_run=round(xacts / max(1, sum(start <= r["start"] < end for r in runs)), 3),
         cpu_per_replica_pct=round(100 * sum(cpu) / len(cpu) / elapsed, 1),
+        replicas_cpu_cores=round(sum(cpu) / elapsed, 3),
+        server_cpu_cores=round(server_cpu_used / elapsed, 3),
+        busy_by_phase=busy_by_phase,
         rss_mb=round(max(rss), 1),
         # What a replica holds between chores (most samples), and the most, during one.
         sessions_per_replica=held.most_common(1)[0][0] if held else 0,
