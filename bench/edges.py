@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +224,24 @@ def _s(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
-    """1,000 jobs on 1 s intervals: lateness and transactions, as bench/run.py measures."""
+def steady(
+    server: Server, tree: Path | None, window: float, profile: Path | None = None
+) -> dict[str, Any]:
+    """1,000 jobs on 1 s intervals: lateness and transactions, as bench/run.py measures;
+    where the CPU goes (replicas, server, its SQL functions; with `profile`, replica 0
+    sampled by py-spy over the window, to `profile`.txt)."""
+
+    def spied(fleet: Fleet) -> Callable[[], Any]:
+        spy = Profile(fleet.replicas[0].process.pid, profile) if profile is not None else None
+
+        def stop() -> Any:
+            if spy is None:
+                return None
+            spy.stop()
+            return spy.summary()
+
+        return stop
+
     r = run_fleet(
         server,
         "ours",
@@ -234,6 +251,8 @@ def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
         max_workers=MAX_WORKERS,
         tree=tree,
         busy=BusyByPhase(bins=PHASES),
+        functions=True,
+        during=spied,
     )
     keys = ("ticks", "ran_once", "duplicates", "missing", "lateness_p50_ms", "lateness_p99_ms")
     cores = r["replicas_cpu_cores"] + r["server_cpu_cores"]
@@ -248,7 +267,25 @@ def steady(server: Server, tree: Path | None, window: float) -> dict[str, Any]:
         # this machine, is as short as the drain of a second could be.
         "cpu_bound_ms": round(1000 * cores / (os.cpu_count() or 1), 1),
         "busy_by_phase": r["busy_by_phase"],
+        "server_functions": function_shares(r["functions"]),
+        **({"profile": r["during"]} if r["during"] else {}),
     }
+
+
+def function_shares(found: dict[str, dict[str, float]], top: int = 6) -> list[list[Any]]:
+    """The SQL functions the server spent most time in by themselves: name, share of all
+    function time (%), calls, and time per call (ms, its inner calls included)."""
+    total = sum(f["self_ms"] for f in found.values()) or 1.0
+    ranked = sorted(found.items(), key=lambda kv: -kv[1]["self_ms"])[:top]
+    return [
+        [
+            name,
+            round(100 * f["self_ms"] / total, 1),
+            f["calls"],
+            round(f["total_ms"] / max(1, f["calls"]), 3),
+        ]
+        for name, f in ranked
+    ]
 
 
 def sides(base: Path | None) -> tuple[dict[str, Path | None], dict[str, str]]:
@@ -279,7 +316,8 @@ def edges(
             log(f"  {_said(found)}")
     for label, tree in trees.items():
         log(f"steady {STEADY_JOBS}/s, {label}")
-        found = steady(server, tree, 5 if quick else 10)
+        spy = profile / f"{label}-steady" if profile is not None else None
+        found = steady(server, tree, 5 if quick else 10, spy)
         out.setdefault("steady", {})[label] = found
         log(f"  {_said(found)}")
     out.update(date=now_iso(), commit=commit_of(BENCH))
@@ -385,6 +423,14 @@ def render(edges: dict[str, Any]) -> str:
                 f"The machine's CPU busy (both cores) by phase of the second, {side}: {shown}; "
                 f"later phases at most {round(100 * max(phases[8:], default=0))}%.",
             ]
+    for side in sides:
+        functions = edges["steady"][side].get("server_functions")
+        if functions:
+            said = ", ".join(
+                f"{name} {share}% ({calls} calls, {per_call} ms each)"
+                for name, share, calls, per_call in functions
+            )
+            lines += ["", f"The server's time in its SQL functions by themselves, {side}: {said}."]
     r = ratios(edges)
     if r:
         lines += ["", "This code over the base (below 1: better):", ""]

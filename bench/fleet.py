@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,13 +76,24 @@ class Server:
     def database_url(self, name: str) -> str:
         return self.url.rsplit("/", 1)[0] + "/" + name
 
-    def create(self, prefix: str, log_statements: bool = False) -> str:
+    def create(self, prefix: str, log_statements: bool = False, functions: bool = False) -> str:
         name = f"bench_{prefix}_{uuid.uuid4().hex[:6]}"
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
             if log_statements:
                 conn.execute(f"ALTER DATABASE \"{name}\" SET log_statement = 'all'")
+            if functions:  # time spent in each SQL function (pg_stat_user_functions)
+                conn.execute(f"ALTER DATABASE \"{name}\" SET track_functions = 'all'")
         return name
+
+    def function_times(self, name: str) -> dict[str, dict[str, float]]:
+        """Per SQL function of database `name`: calls, and its time in ms, in all (its calls
+        included) and by itself; as the server has them once the sessions have ended."""
+        with psycopg.connect(self.database_url(name), autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT funcname, calls, total_time, self_time FROM pg_stat_user_functions"
+            ).fetchall()
+        return {f: {"calls": c, "total_ms": t, "self_ms": s} for f, c, t, s in rows}
 
     def drop(self, name: str) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
@@ -422,10 +434,19 @@ def run_fleet(
     warmup: float = 2.0,
     tree: Path | None = None,
     busy: BusyByPhase | None = None,
+    functions: bool = False,
+    during: Callable[[Fleet], Callable[[], Any]] | None = None,
 ) -> dict[str, Any]:
-    """Start a fleet, let it warm up, measure a window, stop it, check what ran (and, with
-    `busy`, how busy the CPUs were by phase of the second during the window)."""
-    database = server.create(f"{kind}{replicas}x{jobs}", log_statements=statements)
+    """Start a fleet, let it warm up, measure a window, stop it, check what ran.
+
+    With `busy`: how busy the CPUs were by phase of the second during the window;
+    `functions`: the server's time in each SQL function over the whole run; `during`:
+    started with the fleet at the window's start, its answer (what the function it
+    returns gives at the window's end) is the result's `during`.
+    """
+    database = server.create(
+        f"{kind}{replicas}x{jobs}", log_statements=statements, functions=functions
+    )
     fleet = Fleet(kind, server, database, jobs, job_seconds, max_workers, tree=tree)
     log_start = server.log_offset()
     sessions: Counter[str] = Counter()  # the most each replica held at one sample
@@ -441,6 +462,7 @@ def run_fleet(
         server_cpu_start = server_cpu()
         if busy is not None:
             busy.start()
+        finish = during(fleet) if during is not None else None
         while time.time() < start + window:
             now = server.sessions(database)
             apps.update(now)
@@ -453,11 +475,15 @@ def run_fleet(
         cpu = [process_cpu(r.process.pid) - c for r, c in zip(fleet.replicas, cpu, strict=True)]
         server_cpu_used = server_cpu() - server_cpu_start
         busy_by_phase = busy.stop() if busy is not None else None
+        found_during = finish() if finish is not None else None
         rss = [process_rss_mb(r.process.pid) for r in fleet.replicas]
     finally:
         codes = fleet.stop()
     runs = fleet.runs()
     result = verify(runs, jobs, start, end)
+    if functions:
+        time.sleep(1)  # a session's last counts reach the server as it ends
+        result["functions"] = server.function_times(database)
     elapsed = end - start
     result.update(
         kind=kind,
@@ -473,6 +499,7 @@ def run_fleet(
         replicas_cpu_cores=round(sum(cpu) / elapsed, 3),
         server_cpu_cores=round(server_cpu_used / elapsed, 3),
         busy_by_phase=busy_by_phase,
+        during=found_during,
         rss_mb=round(max(rss), 1),
         # What a replica holds between chores (most samples), and the most, during one.
         sessions_per_replica=held.most_common(1)[0][0] if held else 0,
