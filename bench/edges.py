@@ -231,14 +231,17 @@ def steady(
     where the CPU goes (replicas, server, its SQL functions; with `profile`, replica 0
     sampled by py-spy over the window, to `profile`.txt)."""
 
-    def spied(fleet: Fleet) -> Callable[[], Any]:
+    def watched(fleet: Fleet) -> Callable[[], dict[str, Any]]:
+        busy = BusyByPhase(bins=PHASES)
+        busy.start()
         spy = Profile(fleet.replicas[0].process.pid, profile) if profile is not None else None
 
-        def stop() -> Any:
-            if spy is None:
-                return None
-            spy.stop()
-            return spy.summary()
+        def stop() -> dict[str, Any]:
+            found: dict[str, Any] = {"busy_by_phase": busy.stop()}
+            if spy is not None:
+                spy.stop()
+                found["profile"] = spy.summary()
+            return found
 
         return stop
 
@@ -250,9 +253,8 @@ def steady(
         window,
         max_workers=MAX_WORKERS,
         tree=tree,
-        busy=BusyByPhase(bins=PHASES),
         functions=True,
-        during=spied,
+        during=watched,
     )
     keys = ("ticks", "ran_once", "duplicates", "missing", "lateness_p50_ms", "lateness_p99_ms")
     cores = r["replicas_cpu_cores"] + r["server_cpu_cores"]
@@ -266,9 +268,8 @@ def steady(
         # Each second's ticks fall due together: their work, spread over every core of
         # this machine, is as short as the drain of a second could be.
         "cpu_bound_ms": round(1000 * cores / (os.cpu_count() or 1), 1),
-        "busy_by_phase": r["busy_by_phase"],
         "server_functions": function_shares(r["functions"]),
-        **({"profile": r["during"]} if r["during"] else {}),
+        **r["during"],  # busy_by_phase, and the profile if one was asked for
     }
 
 

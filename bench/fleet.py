@@ -433,16 +433,14 @@ def run_fleet(
     statements: bool = False,
     warmup: float = 2.0,
     tree: Path | None = None,
-    busy: BusyByPhase | None = None,
     functions: bool = False,
     during: Callable[[Fleet], Callable[[], Any]] | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, let it warm up, measure a window, stop it, check what ran.
 
-    With `busy`: how busy the CPUs were by phase of the second during the window;
-    `functions`: the server's time in each SQL function over the whole run; `during`:
-    started with the fleet at the window's start, its answer (what the function it
-    returns gives at the window's end) is the result's `during`.
+    With `functions`: the server's time in each SQL function over the whole run; with
+    `during`: a probe started with the fleet at the window's start, whose answer (what
+    the function it returns gives at the window's end) is the result's `during`.
     """
     database = server.create(
         f"{kind}{replicas}x{jobs}", log_statements=statements, functions=functions
@@ -460,8 +458,6 @@ def run_fleet(
         start, xacts = time.time(), server.transactions(database)
         cpu = [process_cpu(r.process.pid) for r in fleet.replicas]
         server_cpu_start = server_cpu()
-        if busy is not None:
-            busy.start()
         finish = during(fleet) if during is not None else None
         while time.time() < start + window:
             now = server.sessions(database)
@@ -474,7 +470,6 @@ def run_fleet(
         xacts = server.transactions(database) - xacts
         cpu = [process_cpu(r.process.pid) - c for r, c in zip(fleet.replicas, cpu, strict=True)]
         server_cpu_used = server_cpu() - server_cpu_start
-        busy_by_phase = busy.stop() if busy is not None else None
         found_during = finish() if finish is not None else None
         rss = [process_rss_mb(r.process.pid) for r in fleet.replicas]
     finally:
@@ -498,7 +493,6 @@ def run_fleet(
         cpu_per_replica_pct=round(100 * sum(cpu) / len(cpu) / elapsed, 1),
         replicas_cpu_cores=round(sum(cpu) / elapsed, 3),
         server_cpu_cores=round(server_cpu_used / elapsed, 3),
-        busy_by_phase=busy_by_phase,
         during=found_during,
         rss_mb=round(max(rss), 1),
         # What a replica holds between chores (most samples), and the most, during one.
