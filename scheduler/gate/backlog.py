@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from scheduler.registry.catalog import CatalogJob
 
-WINDOW = 2  # own ticks offered per free worker (a few may be taken elsewhere meanwhile)
+# Own ticks offered per free worker: a few more than the workers, as a few may have been
+# taken elsewhere meanwhile (each tick sent costs a probe on the server and its share of
+# building the claim and reading the answer here, won or not).
+WINDOW = 1.25
 # Other replicas' ticks offered at once: most are found taken by their owners, at the cost
 # of an index probe each on the server; taken a window of a few at a time, a backlog of
 # thousands would cost as many claims to clear.
@@ -48,13 +51,15 @@ def helper_order(instance: str) -> Callable[[int], int]:
     return lambda key: zlib.crc32(salt + key.to_bytes(4, "big", signed=True))
 
 
-@dataclass(order=True)
-class _Place:
+class _Place(NamedTuple):
+    """A place in the heap. A tuple, so that the heap compares in C: a burst's thousand
+    places cost a dozen comparisons each (`seq` is unique: `entry` is never compared)."""
+
     others: bool  # another replica's share: after every tick of this replica's own
     tick: datetime
     order: int
     seq: int
-    entry: Entry = field(compare=False)
+    entry: Entry
 
 
 class Backlog:
@@ -86,7 +91,7 @@ class Backlog:
         left together, so a fraction of a second apart at most)."""
         taken: list[Entry] = []
         own = False
-        n = WINDOW * free
+        n = math.ceil(WINDOW * free)
         while free > 0 and len(taken) < n and (place := self._top()) is not None:
             if place.entry.not_before > now or (own and place.others):
                 break
