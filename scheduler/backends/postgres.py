@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ from sqlalchemy import Connection, event, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
+from scheduler.backends import shares
 from scheduler.backends.base import (
     ClaimAnswer,
     ClaimRequest,
@@ -189,6 +191,17 @@ def _spans(
     ]
 
 
+def _decision(result: Any, with_fleet: bool) -> tuple[Decision, tuple[int, int, datetime] | None]:
+    """scheduler_decide's row, and with `with_fleet` the fleet's shape read beside it."""
+    fleet = ("live", "rank", "db_now") if with_fleet else ()
+    expected = Decision._fields + fleet
+    if tuple(result.keys()) != expected:
+        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {expected}")
+    row = tuple(result.one())
+    split = len(Decision._fields)
+    return Decision(*row[:split]), (tuple(row[split:]) if with_fleet else None)
+
+
 def named(result: Any, row: type[NamedTuple]) -> list[Any]:
     """A function's rows as `row`, once its columns are the ones named there."""
     if tuple(result.keys()) != row._fields:
@@ -247,6 +260,7 @@ class PostgresBackend:
         namespace: int,
         holder_timeout: float,
         schema: str = "public",
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url
         self.schema = schema
@@ -265,6 +279,8 @@ class PostgresBackend:
         self._conn: Connection | None = None
         self._requests = False  # a run-now request may be waiting (notified, or seen)
         self._retry_in: float | None = None  # the next retry, as the last heartbeat saw it
+        self.monotonic = monotonic
+        self._shape: shares.Shape | None = None  # the fleet, as a recent claim saw it
 
     def say(self, exc: BaseException) -> str:
         """A driver's error in one line, with no part of any password in it."""
@@ -338,6 +354,7 @@ class PostgresBackend:
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
+        self._shape = None  # the next session has a rank of its own
         if conn is not None:
             try:
                 conn.invalidate()  # never return a session with locks to any pool
@@ -424,10 +441,17 @@ class PostgresBackend:
         Sent in the order given: the claim takes them in that order (oldest tick
         first, its own share of a burst first), so that the ticks left for lack of
         free workers come back as a few spans of places, however large the burst.
+        Other replicas' young ticks of a burst are not sent but answered `yielded`
+        here (shares.py), as the server would; now and then the claim also reads the
+        fleet's shape that this takes.
         """
         if not requests:
             return ClaimAnswer([], [], [], [])
         requests = sorted(requests, key=lambda r: r.scheduled_at)  # stable: in order given
+        sent_at = self.monotonic()
+        requests, others = shares.leave_out(
+            requests, self._shape, sent_at, share_from=SHARE_FROM, takeover_s=TAKEOVER_S
+        )
         params = {
             "ns": self.namespace,
             "instance": instance,
@@ -443,9 +467,19 @@ class PostgresBackend:
             "thresholds": pg_numbers([r.skip_threshold for r in requests]),
             "fail_thresholds": pg_numbers([r.fail_threshold for r in requests]),
         }
+        shape = self._shape
+        ask = shape is None or sent_at - shape.read_at >= shares.SHAPE_EVERY
         with self._session() as conn:
-            rows: list[Decision] = named(conn.execute(QUERIES["claim"], params), Decision)
-        return rows[0].claimed(requests)
+            result = conn.execute(QUERIES["claim_and_fleet" if ask else "claim"], params)
+            decision, fleet = _decision(result, with_fleet=ask)
+        if fleet is not None:
+            live, rank, db_now = fleet
+            self._shape = shares.Shape(live, rank, db_now, sent_at)
+        answer = decision.claimed(requests)
+        if others:
+            left = [TickRef(r.key, r.scheduled_at) for r in others]
+            answer = answer._replace(yielded=answer.yielded + left)
+        return answer
 
     def held_keys(self) -> set[int]:
         with self._session() as conn:

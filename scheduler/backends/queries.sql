@@ -8,6 +8,17 @@ SELECT * FROM scheduler_decide(:ns, :instance, :capacity, :takeover, :share_from
     CAST(:intents AS text[]), CAST(:graces AS double precision[]),
     CAST(:thresholds AS integer[]), CAST(:fail_thresholds AS integer[]))
 
+-- name: claim_and_fleet
+-- As `claim`, with the fleet's shape beside its answer: the live replicas, this one's rank
+-- among them, and the database's clock (the next bursts' first claims leave other
+-- replicas' shares out: scheduler/backends/shares.py).
+SELECT d.*, f.live, f.rank, now() AS db_now
+  FROM scheduler_decide(:ns, :instance, :capacity, :takeover, :share_from, :crashed,
+    CAST(:keys AS integer[]), CAST(:names AS text[]), CAST(:ticks AS timestamptz[]),
+    CAST(:intents AS text[]), CAST(:graces AS double precision[]),
+    CAST(:thresholds AS integer[]), CAST(:fail_thresholds AS integer[])) d,
+       scheduler_fleet(:ns) f
+
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).
 SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),

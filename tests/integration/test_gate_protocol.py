@@ -330,8 +330,8 @@ def test_a_replica_wins_no_more_runs_than_its_free_workers(replicas):
     assert won_by_a == {r.key for r in second if r.outcome is Outcome.LOST}
 
 
-def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
-    """PostgreSQL only: in embedded mode one SQLite writer at a time has nothing to spread."""
+def two_sessions(database_url: str) -> tuple[PostgresBackend, PostgresBackend]:
+    """Replicas `a` and `b` on PostgreSQL, connected (shares are PostgreSQL's alone)."""
     a, b = (
         PostgresBackend(database_url, instance=name, namespace=NAMESPACE, holder_timeout=30)
         for name in "ab"
@@ -339,6 +339,12 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
     a.migrate()
     a.connect()
     b.connect()
+    return a, b
+
+
+def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
+    """PostgreSQL only: in embedded mode one SQLite writer at a time has nothing to spread."""
+    a, b = two_sessions(database_url)
     t = tick(-5)  # a burst just due (a clock ahead fires early): shares apply
     requests = [
         ClaimRequest(
@@ -360,6 +366,78 @@ def test_replicas_claiming_a_burst_first_try_their_own_shares(database_url):
     answer = a.claim(later, "a", capacity=100)
     assert {r.key for r in answer.answered} == mine_a and not answer.lost + answer.deferred
     assert {t.key for t in answer.yielded} == mine_b
+    a.close()
+    b.close()
+
+
+def test_the_replicas_share_rule_is_the_servers(database_url):
+    """shares.share_of is scheduler_share's twin: a replica leaves out of its claims only
+    the ticks that the server would have answered `yielded` (another replica's share)."""
+    import psycopg
+
+    from scheduler.backends.shares import share_of
+
+    backend = PostgresBackend(database_url, instance="m", namespace=NAMESPACE, holder_timeout=30)
+    backend.migrate()
+    keys = [1, 2, 3, 77, 1000, 65_535, 1 << 20, 2_147_483_646, 2_147_483_647]
+    keys += list(range(10_000, 10_200))
+    plain = database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as conn:
+        for live in (1, 2, 3, 7, 100):
+            found = conn.execute(
+                "SELECT array_agg(scheduler_share(k, %s) ORDER BY o)"
+                " FROM unnest(%s::integer[]) WITH ORDINALITY AS u(k, o)",
+                (live, keys),
+            ).fetchone()
+            assert found is not None
+            assert found[0] == [share_of(k, live) for k in keys], live
+    backend.ledger_engine.dispose()
+
+
+def test_a_burst_is_sent_as_the_replicas_own_share_once_it_knows_the_fleet(database_url):
+    """Other replicas' young ticks are answered `yielded` without being sent: a job of
+    b's share that is paused would be recorded `paused` by any replica it was sent to."""
+    from scheduler.backends.shares import share_of
+    from scheduler.fleet import pauses
+
+    a, b = two_sessions(database_url)
+    keys = range(400, 440)
+
+    def burst(at: datetime) -> list[ClaimRequest]:
+        return [
+            ClaimRequest(
+                key=k, name=f"job{k}", scheduled_at=at, intent=Intent.RUN, grace_s=30,
+                skip_threshold=3,
+            )
+            for k in keys
+        ]  # fmt: skip
+
+    first = a.claim(burst(tick(-5)), "a", capacity=100)  # a learns the fleet's shape
+    mine_a = {r.key for r in first.answered}
+    mine_b = {t.key for t in first.yielded}
+    assert mine_a and mine_b and mine_a | mine_b == set(keys)
+    shape = a._shape
+    assert shape is not None and shape.live == 2
+    assert mine_b == {k for k in keys if share_of(k, 2) != shape.rank}
+    theirs = min(mine_b)
+    with a.ledger_engine.begin() as conn:
+        pauses.pause(conn, theirs, f"job{theirs}", by="ops", reason=None, now=datetime.now(UTC))
+    later = tick(-6)
+    answer = a.claim(burst(later), "a", capacity=100)
+    assert {r.key for r in answer.answered} == mine_a  # b's paused job was not sent
+    assert {t.key for t in answer.yielded} == mine_b
+    with a.ledger_engine.connect() as conn:
+        recorded = conn.execute(
+            text("SELECT count(*) FROM scheduler_ticks WHERE scheduled_at = :t"), {"t": later}
+        ).scalar()
+    assert recorded == len(mine_a)
+    # Its owner records it paused, once for the fleet; a's answers for the rest stand.
+    by_b = {r.key: r.outcome for r in b.claim(burst(later), "b", capacity=100).every()}
+    assert by_b[theirs] is Outcome.PAUSED
+    assert {k for k, o in by_b.items() if o is Outcome.RUN} == mine_b - {theirs}
+    # A new session may have another rank: it learns the fleet again before leaving out.
+    a.connect()
+    assert a._shape is None
     a.close()
     b.close()
 
