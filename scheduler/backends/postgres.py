@@ -443,7 +443,8 @@ class PostgresBackend:
         free workers come back as a few spans of places, however large the burst.
         Other replicas' young ticks of a burst are not sent but answered `yielded`
         here (shares.py), as the server would; now and then the claim also reads the
-        fleet's shape that this takes.
+        fleet's shape that this takes. Other replicas' older ticks, offered to help with
+        their shares, are probed first (`_taken_first`).
         """
         if not requests:
             return ClaimAnswer([], [], [], [])
@@ -452,6 +453,44 @@ class PostgresBackend:
         requests, others = shares.leave_out(
             requests, self._shape, sent_at, share_from=SHARE_FROM, takeover_s=TAKEOVER_S
         )
+        requests, taken = self._taken_first(requests)
+        answer = (
+            self._decide(requests, instance, capacity, sent_at)
+            if requests
+            else ClaimAnswer([], [], [], [])
+        )
+        if not (others or taken):
+            return answer
+        return answer._replace(
+            lost=answer.lost + [TickRef(r.key, r.scheduled_at) for r in taken],
+            yielded=answer.yielded + [TickRef(r.key, r.scheduled_at) for r in others],
+        )
+
+    def _taken_first(
+        self, requests: list[ClaimRequest]
+    ) -> tuple[list[ClaimRequest], list[ClaimRequest]]:
+        """(to send, found taken): a claim that helps with other replicas' shares offers
+        hundreds of their ticks, most of them taken by their owners meanwhile. Those are
+        found first by one plain probe of the ledger's key (a claim would answer them
+        `lost`, at several times the cost of the probe), and only the rest are sent."""
+        helping = shares.helping(requests, self._shape)
+        if len(helping) < SHARE_FROM:
+            return requests, []
+        params = {
+            "keys": pg_numbers([r.key for r in helping]),
+            "ticks": pg_times([r.scheduled_at for r in helping]),
+        }
+        with self._session() as conn:
+            places = conn.execute(QUERIES["taken"], params).scalar_one()
+        taken = [helping[place - 1] for place in places]
+        if not taken:
+            return requests, []
+        found = {(r.key, r.scheduled_at) for r in taken}
+        return [r for r in requests if (r.key, r.scheduled_at) not in found], taken
+
+    def _decide(
+        self, requests: list[ClaimRequest], instance: str, capacity: int, sent_at: float
+    ) -> ClaimAnswer:
         params = {
             "ns": self.namespace,
             "instance": instance,
@@ -475,11 +514,7 @@ class PostgresBackend:
         if fleet is not None:
             live, rank, db_now = fleet
             self._shape = shares.Shape(live, rank, db_now, sent_at)
-        answer = decision.claimed(requests)
-        if others:
-            left = [TickRef(r.key, r.scheduled_at) for r in others]
-            answer = answer._replace(yielded=answer.yielded + left)
-        return answer
+        return decision.claimed(requests)
 
     def held_keys(self) -> set[int]:
         with self._session() as conn:

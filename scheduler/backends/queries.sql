@@ -19,6 +19,15 @@ SELECT d.*, f.live, f.rank, now() AS db_now
     CAST(:thresholds AS integer[]), CAST(:fail_thresholds AS integer[])) d,
        scheduler_fleet(:ns) f
 
+-- name: taken
+-- Which of these ticks a replica has recorded already (a claim answers each `lost`): their
+-- places in the arrays sent, 1-based. A probe of the primary key per tick.
+SELECT coalesce(array_agg(q.place ORDER BY q.place), '{}') AS places
+  FROM unnest(CAST(:keys AS integer[]), CAST(:ticks AS timestamptz[])) WITH ORDINALITY
+       AS q(key, tick, place)
+ WHERE EXISTS (SELECT 1 FROM scheduler_ticks t
+                WHERE t.job_key = q.key AND t.scheduled_at = q.tick)
+
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).
 SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),

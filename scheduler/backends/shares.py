@@ -74,3 +74,12 @@ def leave_out(
     if not send:
         return list(requests), []
     return send, others
+
+
+def helping(requests: Sequence[ClaimRequest], shape: Shape | None) -> list[ClaimRequest]:
+    """The `run` ticks of other replicas' shares among these: a claim that helps."""
+    if shape is None or shape.live <= 1:
+        return []
+    return [
+        r for r in requests if r.intent is Intent.RUN and share_of(r.key, shape.live) != shape.rank
+    ]

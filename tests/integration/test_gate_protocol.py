@@ -442,6 +442,39 @@ def test_a_burst_is_sent_as_the_replicas_own_share_once_it_knows_the_fleet(datab
     b.close()
 
 
+def test_a_claim_helping_with_other_shares_sends_only_the_ticks_not_taken(database_url):
+    """Other replicas' ticks offered to help are probed first: the ones their owners
+    recorded are answered `lost` without going through a claim; the rest are claimed."""
+    from scheduler.backends.shares import share_of
+
+    a, b = two_sessions(database_url)
+    t = tick(2)  # anyone's by now
+    requests = [
+        ClaimRequest(
+            key=k, name=f"job{k}", scheduled_at=t, intent=Intent.RUN, grace_s=30, skip_threshold=3
+        )
+        for k in range(500, 620)
+    ]
+    b.claim(requests[:70], "b", capacity=100)  # b took the first 70
+    a.claim(requests[:1], "a", capacity=1)  # a reads the fleet's shape beside a claim
+    shape = a._shape
+    assert shape is not None and shape.live == 2
+    sent: list[list[int]] = []
+    decide = a._decide
+    a._decide = lambda batch, *args: sent.append([r.key for r in batch]) or decide(batch, *args)
+    answer = a.claim(requests[1:], "a", capacity=100)
+    by_key = {r.key: r.outcome for r in answer.every()}
+    assert {k for k, o in by_key.items() if o is Outcome.LOST} == set(range(501, 570))
+    assert {k for k, o in by_key.items() if o is Outcome.RUN} == set(range(570, 620))
+    theirs_taken = {k for k in range(501, 570) if share_of(k, 2) != shape.rank}
+    assert len(theirs_taken) > 20
+    (batch,) = sent
+    assert not theirs_taken & set(batch)  # found taken by the probe, never claimed
+    assert set(batch) == set(range(501, 620)) - theirs_taken
+    a.close()
+    b.close()
+
+
 def test_errors_are_stored_exactly(replicas):
     a = replicas("a")
     error = 'ValueError: bad {"x": [1, 2]}, path C:\\temp\\x\nsecond line «ünïcode» NULL'

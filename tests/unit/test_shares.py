@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from scheduler.backends.base import ClaimRequest, Intent
-from scheduler.backends.shares import Shape, leave_out, share_of
+from scheduler.backends.shares import Shape, helping, leave_out, share_of
 
 NOW = datetime(2026, 12, 5, 12, 0, 0, tzinfo=UTC)
 SHARE_FROM, TAKEOVER = 32, 0.1
@@ -73,3 +73,11 @@ def test_nothing_is_left_out_when_nothing_of_this_replicas_own_would_go():
     requests = [r for k in theirs for r in burst(NOW, range(k, k + 1))]
     send, others = split(requests, shape(rank=0))
     assert others == set() and send == set(theirs)
+
+
+def test_a_claim_helps_with_the_run_ticks_of_other_shares_only():
+    old = NOW - timedelta(seconds=1)
+    requests = burst(old, range(1, 101)) + burst(old, range(101, 201), Intent.SKIP)
+    helped = {r.key for r in helping(requests, shape(rank=2))}
+    assert helped == {k for k in range(1, 101) if share_of(k, 3) != 2}
+    assert helping(requests, None) == [] and helping(requests, shape(live=1, rank=0)) == []
