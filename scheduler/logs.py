@@ -14,11 +14,14 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from scheduler.text import printable
+
+GATHER = 0.05  # seconds the writer lets lines gather before it formats and writes them
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
@@ -60,8 +63,9 @@ class TextFormatter(logging.Formatter):
 class _Writer:
     """The thread that formats log records and writes them to stderr.
 
-    Records arrive on a queue; whatever has queued up is formatted and written
-    in one write, so hundreds of lines a second cost a few writes, and no
+    Records arrive on a queue; whatever has queued up within `GATHER` of the first
+    is formatted and written in one write, so hundreds of lines a second cost a few
+    writes and wake-ups (a line is written at most 50 ms after it was logged), and no
     thread that logs ever waits for the terminal or a pipe. Run lines arrive
     as events and become records here, off the threads that run jobs.
     """
@@ -81,6 +85,11 @@ class _Writer:
     def _loop(self) -> None:
         while True:
             batch = [self.queue.get()]
+            if batch[0] is not None:
+                # Lines come a few at a time while runs start and end: gathered for a
+                # moment, they cost one wake-up of this thread (and one turn at the
+                # interpreter, taken from the threads starting runs) instead of dozens.
+                time.sleep(GATHER)
             with contextlib.suppress(queue.Empty):
                 while len(batch) < 1000:
                     batch.append(self.queue.get_nowait())
