@@ -86,7 +86,7 @@ class Finishes:
         self._waiting: list[Run] = []
         self._first: Run | None = None  # the first of the waiting runs to end
         self._hold_until = 0.0  # the latest a waiting finish may be held back to
-        # The next tick after a tick, per schedule: a burst's runs share both.
+        # The next tick after a tick, per schedule key: a burst's runs share both.
         self._next_due: dict[tuple[object, datetime], datetime | None] = {}
         self._batch_failed, self._row_failed = _Quiet(monotonic), _Quiet(monotonic)
 
@@ -218,7 +218,9 @@ class Finishes:
         job, tick = run.job, run.ctx.scheduled_at
         if not job.scheduled:
             return None
-        cached = (job.trigger, tick)  # the trigger itself: an id could be reused
+        # Jobs with equal schedule keys fire at exactly the same ticks (CatalogJob), so a
+        # burst of a thousand jobs on one grid computes its next tick once, not per job.
+        cached = (job.schedule_key, tick)
         found = self._next_due.get(cached, tick)  # (any thread: one get, one set)
         if found is tick:
             if len(self._next_due) > 1024:
