@@ -14,7 +14,6 @@ import logging
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -74,11 +73,13 @@ class _Writer:
         self.stream = stream
         self.formatter = formatter
         self.queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="log-writer", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
         """Write out everything queued, then end."""
+        self.stopping.set()
         self.queue.put(None)
         self.thread.join(timeout=10)
 
@@ -89,7 +90,9 @@ class _Writer:
                 # Lines come a few at a time while runs start and end: gathered for a
                 # moment, they cost one wake-up of this thread (and one turn at the
                 # interpreter, taken from the threads starting runs) instead of dozens.
-                time.sleep(GATHER)
+                # (An event's timed wait, not time.sleep: see scheduler.waits; `stop`
+                # cuts it short.)
+                self.stopping.wait(GATHER)
             with contextlib.suppress(queue.Empty):
                 while len(batch) < 1000:
                     batch.append(self.queue.get_nowait())

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler import waits
 from scheduler.backends import lock_holders as holders
 from scheduler.backends import presence
 from scheduler.backends.lock_holders import Holder
@@ -367,7 +368,7 @@ class FileLocks:
                 _release(self._held[key].fd)  # a lock on a file nobody can reach
                 self._held[key] = held
                 return True
-            time.sleep(RETAKE_PAUSE)
+            waits.sleep(RETAKE_PAUSE)
         return False
 
     # -- plumbing -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+from scheduler import waits
 from scheduler.backends.base import Unavailable
 from scheduler.errors import ConfigError
 
@@ -232,7 +233,7 @@ class LedgerFile:
                 return True
             if monotonic() > deadline:
                 raise self.refuse_loose(loose, pid)
-            time.sleep(0.2)  # a replica starting beside this one may be closing it
+            waits.sleep(0.2)  # a replica starting beside this one may be closing it
         return False
 
     def incremental_vacuum_once(self, busy_timeout: float) -> None:

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scheduler import __version__
+from scheduler import __version__, waits
 from scheduler.backends import Backend
 from scheduler.cli.tables import instant, lasted, table
 from scheduler.config import parsing
@@ -612,7 +612,7 @@ def _trigger_on_fleet(config: Config, catalog: Catalog, name: str) -> int:
             job=job.name,
             holder_timeout=settings.holder_timeout,
             monotonic=time.monotonic,
-            sleep=time.sleep,
+            sleep=waits.sleep,
         )
     except KeyboardInterrupt:
         with backend.ledger_engine.begin() as conn:
