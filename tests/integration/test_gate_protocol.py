@@ -475,6 +475,46 @@ def test_a_claim_helping_with_other_shares_sends_only_the_ticks_not_taken(databa
     b.close()
 
 
+def test_a_claim_helping_probes_only_while_most_of_its_offer_is_found_taken(database_url):
+    """Early in a large burst the other shares' ticks are mostly free: the probe would be a
+    round trip for nothing, so it waits until a claim that helps finds half taken again."""
+    from scheduler.backends.shares import share_of
+
+    a, b = two_sessions(database_url)
+    a.claim([burst_of(range(1, 2), tick(30))[0]], "a", capacity=1)  # a reads the fleet
+    shape = a._shape
+    assert shape is not None
+    theirs = [k for k in range(1000, 1400) if share_of(k, 2) != shape.rank][:120]
+    probes: list[int] = []
+    probe = a._taken_first
+    a._taken_first = lambda requests, helping: (
+        probes.append(len(helping)) or probe(requests, helping)
+    )
+
+    def helps(at: datetime) -> dict[int, Outcome]:
+        return {r.key: r.outcome for r in a.claim(burst_of(theirs, at), "a", 5).every()}
+
+    first = helps(tick(3))  # none taken: probed once, and not next time
+    assert probes == [120] and list(first.values()).count(Outcome.RUN) == 5
+    helps(tick(4))
+    assert probes == [120]
+    b.claim(burst_of(theirs, tick(5)), "b", capacity=200)
+    assert set(helps(tick(5)).values()) == {Outcome.LOST}  # found taken by the claim
+    helps(tick(5))
+    assert probes == [120, 120]  # so the next claim that helps probes first
+    a.close()
+    b.close()
+
+
+def burst_of(keys, at: datetime) -> list[ClaimRequest]:
+    return [
+        ClaimRequest(
+            key=k, name=f"job{k}", scheduled_at=at, intent=Intent.RUN, grace_s=30, skip_threshold=3
+        )
+        for k in keys
+    ]
+
+
 def test_errors_are_stored_exactly(replicas):
     a = replicas("a")
     error = 'ValueError: bad {"x": [1, 2]}, path C:\\temp\\x\nsecond line «ünïcode» NULL'
