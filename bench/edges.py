@@ -1,6 +1,7 @@
 """At the edges: a burst of ticks all due at once, and 1,000 ticks a second for a while.
 
     .venv/bin/python bench/edges.py [--base TREE] [--quick] [--profile DIR]
+    .venv/bin/python bench/edges.py --base TREE --steady-rounds N
 
 3 replicas, `max_workers: 20`, jobs of 1 ms, against the local PostgreSQL (as
 bench/run.py). A burst: 1,000 and then 5,000 jobs on one minute grid, so that
@@ -18,6 +19,9 @@ during each burst and writes DIR/<code>-burst<N>.txt: per function, the share
 of samples it was on the stack in, for the CPU (the thread holding the GIL,
 every thread) and for the dispatcher thread's wall time (waits included).
 
+`--steady-rounds N` runs only the steady scenario, N times on each side, taking
+turns, and prints each run and the p99s (nothing is written).
+
 Writes the section "At the edges" of bench/RESULTS.md and `edges` in
 bench/results.json, leaving the rest of both as they are (bench/run.py, with
 the same `--base`, measures these too, in its whole run).
@@ -31,6 +35,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -457,13 +462,39 @@ def commit_of(tree: Path) -> str:
     ).stdout.strip()
 
 
+def alternate(server: Server, base: Path | None, rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """The steady run alone, `rounds` times per side, the sides taking turns: this machine's
+    speed drifts over minutes, and figures a few percent apart need several turns each."""
+    trees, _ = sides(base)
+    out: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+    for turn in range(rounds):
+        for label, tree in trees.items():
+            found = steady(server, tree, 10)
+            out[label].append(found)
+            log(f"steady {STEADY_JOBS}/s, {label}, turn {turn + 1}: {_said(found)}")
+    for label, runs in out.items():
+        p99 = [r["lateness_p99_ms"] for r in runs]
+        bound = [r["cpu_bound_ms"] for r in runs]
+        log(f"{label}: p99 {p99} (median {statistics.median(p99)}), CPU bound {bound}")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, help="a checkout to measure side by side")
     parser.add_argument("--quick", action="store_true", help="a shorter steady window")
     parser.add_argument("--profile", type=Path, help="py-spy profiles of each burst, here")
+    parser.add_argument(
+        "--steady-rounds",
+        type=int,
+        metavar="N",
+        help="only the steady run, N times per side taking turns (RESULTS.md left as it is)",
+    )
     args = parser.parse_args()
     server = Server(SERVER)
+    if args.steady_rounds:
+        alternate(server, args.base, args.steady_rounds)
+        return 0
     results = edges(server, args.base, args.quick, args.profile)
     path = BENCH / "results.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
