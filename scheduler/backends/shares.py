@@ -13,7 +13,8 @@ Only a guess is made here, never a decision: the server still decides each tick 
 sent, so a shape gone stale (a replica came or went since) costs at most a tick's
 `YIELDED_RETRY` before it is offered again. A tick is left out only while it is young
 by the database's clock, as estimated from the shape's reading and the monotonic clock
-since: its age only grows, so it is left out once at most, and goes with the next claim.
+since: its age grows with that clock (a new reading may set it back by a round trip), so
+it is left out once, twice at the edge of the takeover, and then goes with the claims.
 """
 
 from __future__ import annotations
