@@ -227,6 +227,7 @@ class Daemon:
             on_streaks=self.metrics.streaks if self.metrics else None,
             on_drift=self.metrics.drift if self.metrics else None,
             notices=self.notices,
+            going_here=self.gate.run_ids,
         )
         self.scheduler = build_scheduler(catalog, self.gate)
         self.http = self._http(self.settings.http_port) if self.settings.http_port else None

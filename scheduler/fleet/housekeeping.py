@@ -105,6 +105,7 @@ class Housekeeping:
         on_streaks: Callable[[dict[str, int]], None] | None = None,
         on_drift: Callable[[dict[str, bool]], None] | None = None,
         notices: Notices | None = None,
+        going_here: Callable[[], set[int]] = set,
     ) -> None:
         self.backend = backend
         self.catalog = catalog
@@ -112,6 +113,8 @@ class Housekeeping:
         self.on_streaks = on_streaks
         self.on_drift = on_drift
         self.notices = notices
+        # The run ids of this replica's runs still going or not yet recorded (the gate's).
+        self.going_here = going_here
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -334,8 +337,15 @@ class Housekeeping:
         free = self.backend.free_locks(conn, sorted({row.key for row in stale}))
         gone = sorted({r.instance for r in stale if r.instance and r.instance not in live})
         seen = seen_at(conn, gone)
+        # A run of this replica whose lock went with a lost session still goes on here, or
+        # has ended and waits for its finish: that finish records how it ended (told its
+        # lock was lost, it may have stopped: `interrupted`). Only other replicas, which
+        # cannot know, find it crashed.
+        me, going = self.settings.instance_name, self.going_here()
         marked = []
         for row in sorted(stale, key=lambda r: (r.scheduled_at, r.key)):  # the common order
+            if row.instance == me and row.run_id in going:
+                continue
             if row.key in free and row.run_id is not None:
                 lasted = known_to_last(row, seen.get(row.instance or ""), live)
                 if mark_crashed(conn, row.key, row.run_id, CRASHED_FOUND_BY_SWEEP, now, lasted):

@@ -237,6 +237,10 @@ class Gate:
     def running_jobs(self) -> list[str]:
         return self.table.names()
 
+    def run_ids(self) -> set[int]:
+        """The runs of this replica still going, or ended with their finish not recorded."""
+        return {run.ctx.run_id for run in self.table.runs()}
+
     @property
     def connected(self) -> bool:
         return self.session.connected

@@ -83,6 +83,39 @@ def test_a_running_row_whose_lock_is_free_is_marked_crashed(backend_factory):
         assert history(conn, TickFilter(key=611, limit=1))[0].status == "crashed"
 
 
+def test_a_sweep_spares_this_replicas_own_run_still_going_after_its_session_was_lost(
+    backend_factory,
+):
+    """Its finish records how it ended (told its lock was lost, it may stop: interrupted).
+    Once it is not here any more, the sweep finds it crashed, as other replicas' would."""
+    job = make_job(612, lambda ctx: None, name="told")
+    lost, again, other = backend_factory("hk"), backend_factory("hk"), backend_factory("other")
+    lost.connect()
+    tick = datetime.now(UTC).replace(microsecond=0)
+    request = ClaimRequest(
+        key=612, name="told", scheduled_at=tick, intent=Intent.RUN, grace_s=30, skip_threshold=3
+    )
+    (won,) = lost.claim([request], "hk", capacity=1).every()
+    assert won.outcome is Outcome.RUN
+    lost.close()  # the session is lost; the replica ("hk") reconnects, its run goes on
+    again.connect()
+    going = {won.run_id}
+    mine = Housekeeping(again, Catalog((job,)), settings(), going_here=lambda: going)
+
+    def free() -> bool:  # the server ends the session a moment after the client goes
+        with again.ledger_engine.connect() as conn:
+            return bool(again.free_locks(conn, [612]))
+
+    wait_for(free, 10, "the lost session's lock to go")
+    with again.ledger_engine.begin() as conn:
+        assert mine.sweep_crashed(conn, datetime.now(UTC), {"hk", "other"}) == []
+    going.clear()  # recorded, or ended without a finish: the run is not here any more
+    with again.ledger_engine.begin() as conn:
+        assert len(mine.sweep_crashed(conn, datetime.now(UTC), {"hk", "other"})) == 1
+    with other.ledger_engine.connect() as conn:
+        assert history(conn, TickFilter(key=612, limit=1))[0].status == "crashed"
+
+
 def test_ticks_nobody_claimed_in_time_are_recorded_missed(backend_factory):
     job = make_job(621, lambda ctx: None, name="lonely")  # 1 s interval, 30 s grace
     backend = backend_factory("h")
