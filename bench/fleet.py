@@ -50,7 +50,9 @@ OUR_JOBS = """
 import json, os, threading, time
 from scheduler import job
 
-NEVER = threading.Event()  # a timed wait, not time.sleep: see scheduler/waits.py
+# A timed wait, not time.sleep (see scheduler/waits.py); not scheduler.waits itself,
+# which a base tree of an earlier commit may not have.
+NEVER = threading.Event()
 EVIDENCE = os.open(os.environ["BENCH_EVIDENCE"], os.O_WRONLY | os.O_APPEND)
 SECONDS = float(os.environ.get("BENCH_JOB_SECONDS", "0.001"))
 

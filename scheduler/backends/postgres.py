@@ -194,9 +194,7 @@ def _spans(
 def _decision(result: Any, with_fleet: bool) -> tuple[Decision, tuple[int, int, datetime] | None]:
     """scheduler_decide's row, and with `with_fleet` the fleet's shape read beside it."""
     fleet = ("live", "rank", "db_now") if with_fleet else ()
-    expected = Decision._fields + fleet
-    if tuple(result.keys()) != expected:
-        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {expected}")
+    _expect_columns(result, Decision._fields + fleet)
     row = tuple(result.one())
     split = len(Decision._fields)
     return Decision(*row[:split]), (tuple(row[split:]) if with_fleet else None)
@@ -204,9 +202,13 @@ def _decision(result: Any, with_fleet: bool) -> tuple[Decision, tuple[int, int, 
 
 def named(result: Any, row: type[NamedTuple]) -> list[Any]:
     """A function's rows as `row`, once its columns are the ones named there."""
-    if tuple(result.keys()) != row._fields:
-        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {row._fields}")
+    _expect_columns(result, row._fields)
     return [row(*found) for found in result.all()]
+
+
+def _expect_columns(result: Any, expected: tuple[str, ...]) -> None:
+    if tuple(result.keys()) != expected:
+        raise RuntimeError(f"unexpected columns {tuple(result.keys())}; expected {expected}")
 
 
 # What goes out: array literals for the calls, cast server-side. A claim sends several
