@@ -80,10 +80,14 @@ class Claims:
     def queued(self, free: int, running: Callable[[int], Running]) -> Iterator[Claimed]:
         """Claim the queued ticks: the healthy ones in one round trip, failed ones apart.
 
-        Yields each batch's answer as soon as it comes, before its bookkeeping.
+        Yields each batch's answer as soon as it comes, before its bookkeeping. The
+        free workers are one budget for all the batches: each wins at most what the
+        ones before it left.
         """
         for batch in self.queue.take(free, running):
-            yield from self._batch(batch, free)
+            for claimed in self._batch(batch, free):
+                free -= len(claimed.won)
+                yield claimed
 
     def manual(
         self,
@@ -149,6 +153,9 @@ class Claims:
         )
 
     def _claim(self, requests: list[ClaimRequest], capacity: int) -> ClaimAnswer:
+        """Every claim goes here: no backend is asked to start more runs than workers are
+        free, nor fewer than none (PostgreSQL refuses a negative LIMIT)."""
+        capacity = max(0, capacity)
         answer = self.session.round_trip(
             lambda: self.backend.claim(requests, self.instance, capacity)
         )

@@ -110,7 +110,23 @@ def caught_up_tick_was_due(world: World, run: SimRun) -> None:
         )
 
 
+def within_max_workers(world: World, run: SimRun) -> None:
+    """A replica runs at most `max_workers` scheduled runs at once: the claims of one step
+    share one budget of free workers (a run a person or catch-up asked for is apart)."""
+    if run.run.manual is not None:
+        return
+    limit = run.replica.gate.table.max_workers
+    going = [r for r in world.live_runs() if r.replica is run.replica and r.run.manual is None]
+    if len(going) >= limit:
+        raise Violation(
+            "within_max_workers",
+            f"{run.replica.name} started job {run.key} tick {run.scheduled_at} with "
+            f"{len(going)} runs going, max_workers {limit}",
+        )
+
+
 ON_START = (
+    within_max_workers,
     caught_up_tick_was_due,
     no_tick_started_twice,
     no_overlap_unless_told,

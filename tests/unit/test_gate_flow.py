@@ -122,6 +122,23 @@ def test_ticks_beyond_the_free_workers_wait_for_one(gate_over_file):
     settle(gate, lambda: len(seen.of(events.RunStarted)) == 2, "the waiting tick")
 
 
+def test_batches_claimed_apart_share_the_free_workers(gate_over_file):
+    # A failed batch is tried again an entry at a time: each claim may win only what
+    # the ones before it in the same step left of the free workers.
+    release = threading.Event()
+    jobs = [make_job(36 + i, lambda ctx: release.wait(10), name=f"b{i}") for i in range(2)]
+    gate, seen, _, backend = gate_over_file(max_workers=1)
+    backend.claim = Calls(backend.claim, fail_if=lambda requests: len(requests) == 2)
+    gate.submit_all(jobs, now_tick(-1))
+    gate.step()  # fails: both go back, to be claimed one by one
+    gate.step()
+    assert [len(batch) for batch in backend.claim.batches] == [2, 1, 1]
+    assert len(seen.of(events.RunStarted)) == 1
+    assert gate.table.free_slots() == 0
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "the other to run after")
+
+
 def test_a_failed_claim_is_tried_again_later_and_apart_from_healthy_ticks(gate_over_file):
     poisoned = make_job(41, lambda ctx: None, name="poisoned")
     healthy = make_job(42, lambda ctx: None, name="healthy")
