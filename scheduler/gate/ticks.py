@@ -2,8 +2,11 @@
 
 APScheduler hands over a burst of due ticks whole (every job on one grid falls
 due at once); the queue holds them until the burst is complete, so one claim
-covers it. Per job it keeps the newest tick to run, and every tick of a job
-this replica is still running (each is recorded `skipped`, none dropped). A
+covers it. Per job it keeps every tick fired and not yet claimed, and offers
+the oldest: a tick that waited (for a worker, or behind another replica's share)
+still runs in its grace when the job's next tick comes, and the next one after it
+(`Pending.behind`). A tick fired while the job runs here is claimed `skip`. None
+is dropped while it may still run: a tick past its grace is answered `missed`. A
 batch whose claim failed for a reason other than a lost session is tried
 again after a growing delay, apart from the healthy ones, so one tick the
 database cannot take now never holds up the rest.
@@ -33,7 +36,10 @@ from scheduler.gate.session import LockSession
 from scheduler.ledger.run_now import RunRequest
 from scheduler.registry.catalog import CatalogJob
 
-MAX_BACKLOG = 100  # ticks of one job kept while it runs here; older ones are left to the sweep
+MAX_BACKLOG = 100  # ticks of one job kept; older ones are left to the sweep (past their grace)
+# Seconds between looks at ticks waiting behind their job's run here: they go as soon as
+# the run's finish is recorded, and this bounds the wait should no wake come then.
+BEHIND_POLL = 0.05
 RETRY_FIRST, RETRY_CAP = 1.0, 30.0  # seconds before a failed claim is tried again, doubling
 
 
@@ -45,12 +51,46 @@ class Pending:
     not_before: float = 0.0
     failures: int = 0  # claims of these ticks that failed in a row
     others: bool = False  # yielded by a claim: another live replica's share (backlog.py)
+    # Ticks up to this one were due before the job's run here was claimed: they wait for
+    # it to end and run after it, oldest first (a tick fired during the run is skipped).
+    behind: datetime | None = None
 
     def add(self, tick: datetime) -> None:
         if tick not in self.ticks:
             self.ticks.append(tick)
             self.ticks.sort()
             del self.ticks[:-MAX_BACKLOG]
+
+    def absorb(self, queued: Pending) -> None:
+        """Take in the ticks of the job's entry that was queued meanwhile."""
+        for tick in queued.ticks:
+            self.add(tick)
+        self.since = min(self.since, queued.since)
+        if queued.behind is not None and (self.behind is None or queued.behind > self.behind):
+            self.behind = queued.behind
+
+    def split_behind(self) -> Pending | None:
+        """Claiming the oldest tick to run: the newer ones, which wait behind its run."""
+        if len(self.ticks) == 1:
+            return None
+        rest = Pending(self.job, self.ticks[1:], self.since, behind=self.ticks[-1])
+        del self.ticks[1:]
+        self.behind = None
+        return rest
+
+    def split_skipped(self) -> Pending | None:
+        """The job runs here: the ticks fired since its run was claimed (to claim `skip`);
+        those due before it stay, to run after it."""
+        behind = self.behind
+        if behind is None:
+            return None
+        waiting = [tick for tick in self.ticks if tick <= behind]
+        if not waiting:  # none left behind the run: every one is claimed `skip`
+            self.behind = None
+            return None
+        fired = [tick for tick in self.ticks if tick > behind]
+        self.ticks = waiting
+        return Pending(self.job, fired, self.since) if fired else None
 
 
 class ToClaim(NamedTuple):
@@ -153,9 +193,11 @@ class TickQueue:
     def take(self, capacity: int, running: Callable[[int], Running]) -> list[Batch]:
         """The batches to claim now: the healthy entries together, each failed one alone.
 
-        A job running here gets every queued tick as `skip`; a job free to run
-        gets its newest tick as `run` if any worker is free (older ones were
-        not claimed in time here: the other replicas or the sweep record them).
+        A job free to run gets its oldest tick as `run` if any worker is free; its
+        newer ones wait behind that run, each claimed after it (the server answers
+        one past its grace `missed`). A job running here gets the ticks fired since
+        its run was claimed as `skip`; one whose run here lost its lock leaves its
+        ticks to the other replicas for a while, then claims them all as `skip`.
         Of the ticks a claim left to later (the backlog), only a window goes.
         """
         now = self.monotonic()
@@ -167,9 +209,11 @@ class TickQueue:
                 assert isinstance(left, Pending)
                 self._pending[left.job.key] = left
             for key, entry in list(self._pending.items()):
-                if entry.not_before > now:
+                if entry.not_before > now and (entry.behind is None or entry.failures):
                     continue
                 state = running(key)
+                if entry.not_before > now and state is not Running.NOT:
+                    continue  # still behind its job's run here (once it ends: at once)
                 if state is Running.LOST and now < entry.since + self.left_to_others:
                     entry.not_before = entry.since + self.left_to_others
                     continue
@@ -178,10 +222,21 @@ class TickQueue:
                         continue  # waits for a free worker; another replica may take it
                     # Every one goes, however few workers are free: most of a burst is
                     # other replicas' share, and the claim wins at most `capacity` runs.
-                    requests = [ToClaim(entry.job, entry.ticks[-1], Intent.RUN)]
+                    rest = entry.split_behind()
+                    requests = [ToClaim(entry.job, entry.ticks[0], Intent.RUN)]
                 else:
+                    rest = entry.split_skipped() if state is Running.HERE else None
+                    if rest is not None:  # the waiting ones stay; the fired ones go
+                        entry, rest = rest, entry
+                        rest.not_before = now + BEHIND_POLL
+                    elif state is Running.HERE and entry.behind is not None:
+                        entry.not_before = now + BEHIND_POLL  # all wait behind the run
+                        continue
                     requests = [ToClaim(entry.job, tick, Intent.SKIP) for tick in entry.ticks]
-                del self._pending[key]
+                if rest is None:
+                    del self._pending[key]
+                else:
+                    self._pending[key] = rest
                 batch = healthy if not entry.failures else Batch()
                 batch.requests += requests
                 batch.entries.append(entry)
@@ -209,17 +264,16 @@ class TickQueue:
                     entry.not_before = now + delay
                 queued = self._pending.get(entry.job.key)
                 if queued is not None:
-                    for tick in queued.ticks:
-                        entry.add(tick)
-                    entry.since = min(entry.since, queued.since)
+                    entry.absorb(queued)
                 self._pending[entry.job.key] = entry
 
     def leave(
         self, left: Sequence[tuple[Pending, datetime]], others: bool = False, delay: float = 0.0
     ) -> None:
         """Ticks a claim left to later (deferred: no free worker here; yielded, `others`:
-        another live replica's share), each with its entry, into the backlog; one that a
-        newer tick of its job joined meanwhile is claimed afresh with it.
+        another live replica's share), each with its entry, into the backlog; one that
+        newer ticks of its job joined meanwhile (or waited behind it) is queued with them,
+        first in line, when its own delay is over.
 
         One clock reading for all: ticks due a few microseconds apart would be
         claimed in as many round trips.
@@ -236,10 +290,9 @@ class TickQueue:
                 if queued is None:
                     self._backlog.put(entry)
                     continue
-                for newer in queued.ticks:
-                    entry.add(newer)
-                entry.since = min(entry.since, queued.since)
-                entry.not_before, entry.others = queued.not_before, False
+                entry.absorb(queued)
+                entry.not_before = max(entry.not_before, queued.not_before)
+                entry.others = False
                 self._pending[entry.job.key] = entry
 
     def has(self, key: int) -> bool:

@@ -38,8 +38,9 @@ pytestmark = [pytest.mark.fleet, pytest.mark.failover]
 
 SECOND = timedelta(seconds=1)
 JOBS = ["failover.py"]  # every_second, each_second (1 ms), long_run (6 s)
-# every_second: catch_up off (the newest tick fired during the switch runs, the sweep
-# records the others missed); each_second: catch_up all (each of them runs).
+# every_second: catch_up off (the ticks fired during the switch are claimed once a node
+# takes writes, oldest first, within misfire_grace; the sweep records missed those no
+# replica took); each_second: catch_up all (each of them runs).
 SCHEDULES = {
     "every_second": {"interval": "1s"},
     "each_second": {"interval": "1s", "catch_up": "all"},
@@ -246,9 +247,9 @@ def assert_ledger_explains_every_tick(
 def record_missed_ticks(failover: Failover, url: str) -> int:
     """The fleet's missed-tick sweep on the new primary, run now as it runs once the grace is over.
 
-    The gate claims only the newest tick of a job fired while the database was
-    away (docs/faults.md: Faults); the ticks before it are recorded `missed` by the sweep
-    after `misfire_grace`. This sweep judges them with a grace of 1 s (the fleet's is 30 s,
+    The ticks a job fired while no node took writes are claimed once one does, oldest
+    first (docs/faults.md: Faults); those no replica took are recorded `missed` by the
+    sweep after `misfire_grace`. This sweep judges them with a grace of 1 s (the fleet's is 30 s,
     which the test does not wait for), once the ledger's clock is past it: no sweep
     records a tick missed before it is due by that clock.
     """

@@ -122,6 +122,50 @@ def test_ticks_beyond_the_free_workers_wait_for_one(gate_over_file):
     settle(gate, lambda: len(seen.of(events.RunStarted)) == 2, "the waiting tick")
 
 
+def test_a_tick_that_waited_for_a_worker_still_runs_when_its_next_tick_comes(gate_over_file):
+    # Ticks are dropped nowhere while they may still run: one that waited here (for a
+    # worker, or behind another replica's share) runs in its grace, then the next one.
+    release = threading.Event()
+    blocker = make_job(33, lambda ctx: release.wait(10), name="blocker")
+    late = make_job(34, lambda ctx: None, name="late")
+    gate, seen, _, _ = gate_over_file(max_workers=1)
+    first, second = now_tick(-3), now_tick(-2)
+    gate.submit(blocker, first)
+    settle(gate, lambda: seen.of(events.RunStarted), "the blocker's run")
+    gate.submit(late, first)
+    gate.step()
+    gate.submit(late, second)  # its next tick comes while the first still waits
+    gate.step()
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 3, "both ticks of late to run")
+    started = [e.scheduled_at for e in seen.of(events.RunStarted) if e.job == "late"]
+    assert started == [first, second]
+    assert not seen.of(events.TickSkipped)
+
+
+def test_ticks_due_before_a_run_wait_behind_it_and_one_fired_during_it_is_skipped(
+    gate_over_file,
+):
+    release = threading.Event()
+    job = make_job(35, lambda ctx: release.wait(10), name="slow")
+    gate, seen, _, backend = gate_over_file(max_workers=2)
+    backend.claim = Calls(backend.claim)
+    first, second, third = now_tick(-4), now_tick(-3), now_tick(-2)
+    with gate.burst():  # both were due before its run: they wait together
+        gate.submit(job, first)
+        gate.submit(job, second)
+    settle(gate, lambda: seen.of(events.RunStarted), "the first run")
+    gate.submit(job, third)  # fired while the run holds the lock
+    settle(gate, lambda: seen.of(events.TickSkipped), "the skip")
+    assert [e.scheduled_at for e in seen.of(events.TickSkipped)] == [third]
+    assert [e.scheduled_at for e in seen.of(events.RunStarted)] == [first]
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "the tick behind it to run")
+    assert [e.scheduled_at for e in seen.of(events.RunStarted)] == [first, second]
+    run_intents = [r.intent for batch in backend.claim.batches for r in batch]
+    assert run_intents.count(Intent.RUN) == 2
+
+
 def test_batches_claimed_apart_share_the_free_workers(gate_over_file):
     # A failed batch is tried again an entry at a time: each claim may win only what
     # the ones before it in the same step left of the free workers.
