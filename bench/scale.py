@@ -71,14 +71,30 @@ def wait_up(fleet: Fleet, names: list[str], deadline: float) -> None:
         time.sleep(0.5)
 
 
-def crashed_rows(url: str, start: float, end: float) -> int:
+def ledger_statuses(url: str, start: float, end: float) -> dict[tuple[str, float], str]:
+    """(job, tick as epoch seconds) -> status, for the ticks of [start, end)."""
     with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM scheduler_ticks WHERE status = 'crashed'"
-            " AND scheduled_at >= to_timestamp(%s) AND scheduled_at < to_timestamp(%s)",
+        rows = conn.execute(
+            "SELECT job_name, extract(epoch FROM scheduled_at)::float8, status"
+            " FROM scheduler_ticks"
+            " WHERE scheduled_at >= to_timestamp(%s) AND scheduled_at < to_timestamp(%s)",
             (start, end),
-        ).fetchone()
-    return int(row[0]) if row else 0
+        ).fetchall()
+    return {(name, tick): status for name, tick, status in rows}
+
+
+def without_row(
+    runs: list[dict[str, Any]], statuses: dict[tuple[str, float], str], jobs: int, window: range
+) -> int:
+    """Ticks of the window that never ran and that the ledger has no row for: nothing
+    explains them (each one the fleet let go of while it could still run)."""
+    ran = {(r["job"], float(r["scheduled"])) for r in runs}
+    return sum(
+        1
+        for i in range(jobs)
+        for t in window
+        if (key := (f"job_{i}", float(t))) not in ran and key not in statuses
+    )
 
 
 def run(
@@ -116,10 +132,12 @@ def run(
                 cpu[r.process.pid] = process_cpu(r.process.pid) - cpu.get(r.process.pid, 0.0)
         time.sleep(STATS_LAG)
         xacts = server.transactions(database) - xacts
-        crashed = crashed_rows(server.database_url(database), start, end)
     finally:
         codes = fleet.stop(timeout=120)
-    result = verify(fleet.runs(), jobs, start, end)
+    runs = fleet.runs()
+    statuses = ledger_statuses(server.database_url(database), start, end)
+    result = verify(runs, jobs, start, end)
+    window = range(int(start) + 1, int(end))  # verify's whole seconds
     elapsed = end - start
     per_replica = [n for sample in samples for app, n in sample.items() if app in _names(fleet)]
     totals = [sum(n for app, n in s.items() if app in _names(fleet)) for s in samples]
@@ -128,7 +146,8 @@ def run(
         jobs=jobs,
         window_s=round(elapsed, 1),
         killed=killed,
-        crashed_rows=crashed,
+        crashed_rows=sum(1 for status in statuses.values() if status == "crashed"),
+        without_row=without_row(runs, statuses, jobs, window),
         exit_codes=Counter(str(c) for c in codes),
         sessions_per_replica=statistics.mode(per_replica) if per_replica else None,
         sessions_per_replica_max=max(per_replica, default=0),
@@ -172,6 +191,7 @@ COLUMNS = (
     ("duplicates", "duplicates"),
     ("missing", "missing"),
     ("crashed_rows", "crashed (ledger)"),
+    ("without_row", "missing, no row"),
     ("lateness_p50_ms", "lateness p50 (ms)"),
     ("lateness_p99_ms", "p99 (ms)"),
     ("sessions_per_replica", "sessions per replica (most samples / most)"),
@@ -198,7 +218,9 @@ def render(found: dict[str, Any]) -> str:
         f"SIGKILLed every {KILL_EVERY:g} s and another started in its place. A tick the",
         "killed replica had claimed and not finished is recorded `crashed` by the sweep",
         "(*crashed*, from the ledger) and is not run again (at most once): such a tick is",
-        "*missing* from the jobs' evidence if its run had not started.",
+        "*missing* from the jobs' evidence if its run had not started. *Missing, no",
+        "row*: ticks that never ran and that the ledger has no row for (explained by",
+        "nothing; 0 on every correct run).",
         "",
         "| run | code | " + " | ".join(title for _, title in COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
