@@ -120,7 +120,9 @@ def run(
             if kills and time.time() >= next_kill:
                 live = [r for r in fleet.replicas if r.process.poll() is None]
                 victim = live[killed % len(live)]
-                cpu[victim.process.pid] = process_cpu(victim.process.pid) - cpu[victim.process.pid]
+                # A replica started in the window (after a kill) counts from its start.
+                pid = victim.process.pid
+                cpu[pid] = process_cpu(pid) - cpu.get(pid, 0.0)
                 victim.process.send_signal(signal.SIGKILL)
                 killed += 1
                 fleet.start(f"k{killed}")
@@ -219,8 +221,10 @@ def render(found: dict[str, Any]) -> str:
         "killed replica had claimed and not finished is recorded `crashed` by the sweep",
         "(*crashed*, from the ledger) and is not run again (at most once): such a tick is",
         "*missing* from the jobs' evidence if its run had not started. *Missing, no",
-        "row*: ticks that never ran and that the ledger has no row for (explained by",
-        "nothing; 0 on every correct run).",
+        "row*: ticks that never ran and that the ledger has no row for: 0 on every",
+        f"correct run whose lateness stays below the {STATS_LAG} s the fleet runs on after",
+        "the window (a tick still queued when the fleet stops has no row until a later",
+        "sweep records it missed).",
         "",
         "| run | code | " + " | ".join(title for _, title in COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
