@@ -6,10 +6,10 @@ covers it. Per job it keeps every tick fired and not yet claimed, and offers
 the oldest: a tick that waited (for a worker, or behind another replica's share)
 still runs in its grace when the job's next tick comes, and the next one after it
 (`Pending.behind`). A tick fired while the job runs here is claimed `skip`. None
-is dropped while it may still run: a tick past its grace is answered `missed`. A
-batch whose claim failed for a reason other than a lost session is tried
-again after a growing delay, apart from the healthy ones, so one tick the
-database cannot take now never holds up the rest.
+is dropped while it may still run (up to `MAX_BACKLOG` of a job): a tick past its
+grace is answered `missed`. A batch whose claim failed for a reason other than a
+lost session is tried again after a growing delay, apart from the healthy ones, so
+one tick the database cannot take now never holds up the rest.
 
 Beside them wait the ticks claimed lock first, one at a time (`ManualTicks`): run-now
 requests and caught-up ticks, queued from any thread (`scheduler trigger --here`, a
@@ -36,7 +36,9 @@ from scheduler.gate.session import LockSession
 from scheduler.ledger.run_now import RunRequest
 from scheduler.registry.catalog import CatalogJob
 
-MAX_BACKLOG = 100  # ticks of one job kept; older ones are left to the sweep (past their grace)
+# Ticks of one job kept waiting here; older ones are left to the other replicas, or to
+# the sweep, which records them missed once past their grace.
+MAX_BACKLOG = 100
 # Seconds between looks at ticks waiting behind their job's run here: they go as soon as
 # the run's finish is recorded, and this bounds the wait should no wake come then.
 BEHIND_POLL = 0.05
