@@ -312,7 +312,7 @@ class Gate:
             wait = min(wait, max(0.0, finish_at - now))
         if self.manual.pending():
             return 0.0
-        due = self.queue.next_due(self.table.free_slots())
+        due = self.queue.next_due(self.table.free_slots(), self.table.running)
         if due is not None:
             wait = min(wait, max(0.0, due - now))
         retry = self.retries.wait()

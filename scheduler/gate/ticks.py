@@ -183,12 +183,22 @@ class TickQueue:
                 else:
                     left.job = job
 
-    def next_due(self, capacity: int) -> float | None:
-        """When the earliest entry may be claimed (None: nothing to do until a tick comes)."""
+    def next_due(self, capacity: int, running: Callable[[int], Running]) -> float | None:
+        """When the earliest entry may be claimed: what `take` would claim, and when (None:
+        nothing until a tick comes or a worker frees, whose run's end wakes the dispatcher).
+
+        A job free to run needs a free worker; one running here has its ticks claimed
+        `skip`, or waiting behind its run, with no worker free or not. Counting an entry
+        `take` passes by would wake the dispatcher at once, again and again.
+        """
         with self._mutex:
             if self._bursts:
                 return None
-            due = [e.not_before for e in self._pending.values() if capacity > 0 or e.failures]
+            due = [
+                entry.not_before
+                for key, entry in self._pending.items()
+                if capacity > 0 or running(key) is not Running.NOT
+            ]
             left = self._backlog.next_due() if capacity > 0 else None
             return min([*due, left] if left is not None else due, default=None)
 

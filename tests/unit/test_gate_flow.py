@@ -102,7 +102,7 @@ def test_ticks_left_to_other_replicas_are_tried_again_in_one_round_trip(gate_ove
     assert len(seen.of(events.RunStarted)) == 20
     # The other replica did not take them in time: this one tries, waking when the
     # dispatcher would (at the first of them), and takes them all in one claim.
-    clock.now = gate.queue.next_due(capacity=50)
+    clock.now = gate.queue.next_due(50, gate.table.running)
     gate.step()
     assert [len(batch) for batch in calls.batches] == [40, 20]
     settle(gate, lambda: len(seen.of(events.RunFinished)) == 40, "every tick to run")
