@@ -395,10 +395,16 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def whole_ticks(jobs: int, start: float, end: float) -> set[tuple[str, float]]:
+    """(job, tick) of every whole second strictly inside [start, end), for every job."""
+    first, last = int(start) + 1, int(end) - 1
+    return {(f"job_{i}", float(t)) for i in range(jobs) for t in range(first, last + 1)}
+
+
 def verify(runs: list[dict[str, Any]], jobs: int, start: float, end: float) -> dict[str, Any]:
     """Every whole-second tick of every job in [start, end): ran once, twice, or never?"""
     first, last = int(start) + 1, int(end) - 1
-    window = {(f"job_{i}", float(t)) for i in range(jobs) for t in range(first, last + 1)}
+    window = whole_ticks(jobs, start, end)
     counts = Counter((r["job"], float(r["scheduled"])) for r in runs)
     lateness = [
         r["start"] - r["scheduled"] for r in runs if (r["job"], float(r["scheduled"])) in window

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 from edges import commit_of, replace_section, sides
-from fleet import BENCH, Fleet, Server, now_iso, process_cpu, verify
+from fleet import BENCH, Fleet, Server, now_iso, process_cpu, verify, whole_ticks
 
 from tests.clusters import Cluster
 
@@ -84,17 +84,14 @@ def ledger_statuses(url: str, start: float, end: float) -> dict[tuple[str, float
 
 
 def without_row(
-    runs: list[dict[str, Any]], statuses: dict[tuple[str, float], str], jobs: int, window: range
+    runs: list[dict[str, Any]],
+    statuses: dict[tuple[str, float], str],
+    window: set[tuple[str, float]],
 ) -> int:
-    """Ticks of the window that never ran and that the ledger has no row for: nothing
-    explains them (each one the fleet let go of while it could still run)."""
+    """Ticks of the window (`verify`'s) that never ran and that the ledger has no row for:
+    nothing explains them (each one the fleet let go of while it could still run)."""
     ran = {(r["job"], float(r["scheduled"])) for r in runs}
-    return sum(
-        1
-        for i in range(jobs)
-        for t in window
-        if (key := (f"job_{i}", float(t))) not in ran and key not in statuses
-    )
+    return len(window - ran - statuses.keys())
 
 
 def run(
@@ -139,7 +136,6 @@ def run(
     runs = fleet.runs()
     statuses = ledger_statuses(server.database_url(database), start, end)
     result = verify(runs, jobs, start, end)
-    window = range(int(start) + 1, int(end))  # verify's whole seconds
     elapsed = end - start
     per_replica = [n for sample in samples for app, n in sample.items() if app in _names(fleet)]
     totals = [sum(n for app, n in s.items() if app in _names(fleet)) for s in samples]
@@ -149,7 +145,7 @@ def run(
         window_s=round(elapsed, 1),
         killed=killed,
         crashed_rows=sum(1 for status in statuses.values() if status == "crashed"),
-        without_row=without_row(runs, statuses, jobs, window),
+        without_row=without_row(runs, statuses, whole_ticks(jobs, start, end)),
         exit_codes=Counter(str(c) for c in codes),
         sessions_per_replica=statistics.mode(per_replica) if per_replica else None,
         sessions_per_replica_max=max(per_replica, default=0),
