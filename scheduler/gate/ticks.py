@@ -237,10 +237,11 @@ class TickQueue:
                     rest = entry.split_behind()
                     requests = [ToClaim(entry.job, entry.ticks[0], Intent.RUN)]
                 else:
-                    rest = entry.split_skipped() if state is Running.HERE else None
-                    if rest is not None:  # the waiting ones stay; the fired ones go
-                        entry, rest = rest, entry
-                        rest.not_before = now + BEHIND_POLL
+                    rest = None
+                    fired = entry.split_skipped() if state is Running.HERE else None
+                    if fired is not None:  # the waiting ones stay; the fired ones go
+                        entry.not_before = now + BEHIND_POLL
+                        entry, rest = fired, entry
                     elif state is Running.HERE and entry.behind is not None:
                         entry.not_before = now + BEHIND_POLL  # all wait behind the run
                         continue
