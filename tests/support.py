@@ -589,6 +589,56 @@ def settle(gate: Any, until: Callable[[], Any], what: str) -> None:
     wait_for(stepped, 10, what, every=0.02)
 
 
+def a_waiting_tick_still_runs(gate: Any, seen: Recorder, keys: tuple[int, int]) -> None:
+    """Guarantee 1 through a gate with one worker: a tick waiting here is never dropped for
+    its job's next one; both run, oldest first, and succeed (either backend)."""
+    from scheduler.observers import events
+
+    release = threading.Event()
+    blocker = make_job(keys[0], lambda ctx: release.wait(10), name="blocker")
+    late = make_job(keys[1], lambda ctx: None, name="late")
+    first, second = now_tick(-3), now_tick(-2)
+    gate.submit(blocker, first)
+    settle(gate, lambda: seen.of(events.RunStarted), "the blocker's run")
+    gate.submit(late, first)
+    gate.step()
+    gate.submit(late, second)  # its next tick comes while the first still waits
+    gate.step()
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 3, "both ticks of late to run")
+    started = [e.scheduled_at for e in seen.of(events.RunStarted) if e.job == "late"]
+    assert started == [first, second]
+    assert {e.status for e in seen.of(events.RunFinished)} == {"succeeded"}
+    assert not seen.of(events.TickSkipped)
+
+
+def retried_claims_share_the_free_workers(gate: Any, seen: Recorder, keys: tuple[int, int]) -> None:
+    """Through a gate with one worker: a failed batch of two is tried again an entry at a
+    time, and the claims of that step share one budget of free workers (PostgreSQL
+    refuses a claim asked for fewer than none)."""
+    from scheduler.observers import events
+
+    release = threading.Event()
+    jobs = [make_job(key, lambda ctx: release.wait(10), name=f"b{key}") for key in keys]
+    claim, batches = gate.backend.claim, []
+
+    def failing_once(requests: Any, *args: Any) -> Any:
+        batches.append(len(requests))
+        if len(batches) == 1:
+            raise RuntimeError("canceling statement due to lock timeout")
+        return claim(requests, *args)
+
+    gate.backend.claim = failing_once
+    gate.submit_all(jobs, now_tick(-1))
+    gate.step()  # fails: both go back, to be claimed one by one
+    gate.step()
+    assert batches == [2, 1, 1]
+    assert len(seen.of(events.RunStarted)) == 1
+    assert gate.table.free_slots() == 0
+    release.set()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "the other to run after")
+
+
 class RawReceiver:
     """A local HTTP receiver at the socket's level, for hostile answers (endless, dripping).
 

@@ -12,7 +12,13 @@ import psycopg
 
 from scheduler.backends.base import Outcome
 from scheduler.observers import events
-from tests.support import make_job, now_tick, settle
+from tests.support import (
+    a_waiting_tick_still_runs,
+    make_job,
+    now_tick,
+    retried_claims_share_the_free_workers,
+    settle,
+)
 
 
 def test_a_job_still_running_here_is_skipped_without_asking_for_its_lock_again(gate_factory):
@@ -46,48 +52,13 @@ def test_only_free_workers_claim_ticks_the_rest_wait(gate_factory):
 
 
 def test_a_tick_that_waited_for_a_worker_still_runs_when_its_next_tick_comes(gate_factory):
-    # Guarantee 1 on PostgreSQL: a tick waiting here is never dropped for its job's next
-    # one; both run, oldest first, each with its row.
-    release = threading.Event()
-    blocker = make_job(521, lambda ctx: release.wait(10), name="blocker")
-    late = make_job(522, lambda ctx: None, name="late")
     gate, seen, _ = gate_factory(max_workers=1)
-    first, second = now_tick(-3), now_tick(-2)
-    gate.submit(blocker, first)
-    settle(gate, lambda: seen.of(events.RunStarted), "the blocker's run")
-    gate.submit(late, first)
-    gate.step()
-    gate.submit(late, second)  # its next tick comes while the first still waits
-    gate.step()
-    release.set()
-    settle(gate, lambda: len(seen.of(events.RunFinished)) == 3, "both ticks of late to run")
-    started = [e.scheduled_at for e in seen.of(events.RunStarted) if e.job == "late"]
-    assert started == [first, second]
-    assert {e.status for e in seen.of(events.RunFinished)} == {"succeeded"}
+    a_waiting_tick_still_runs(gate, seen, (521, 522))
 
 
 def test_claims_tried_again_apart_share_the_free_workers(gate_factory):
-    # PostgreSQL refuses a claim asked for fewer than no runs (a negative LIMIT): the
-    # claims of one step share one budget, so none is ever asked for.
-    release = threading.Event()
-    jobs = [make_job(523 + i, lambda ctx: release.wait(10), name=f"b{i}") for i in range(2)]
     gate, seen, _ = gate_factory(max_workers=1)
-    claim, batches = gate.backend.claim, []
-
-    def failing_once(requests, *args):
-        batches.append(len(requests))
-        if len(batches) == 1:
-            raise RuntimeError("canceling statement due to lock timeout")
-        return claim(requests, *args)
-
-    gate.backend.claim = failing_once
-    gate.submit_all(jobs, now_tick(-1))
-    gate.step()  # fails: both go back, to be claimed one by one
-    gate.step()
-    assert batches == [2, 1, 1]
-    assert len(seen.of(events.RunStarted)) == 1 and gate.table.free_slots() == 0
-    release.set()
-    settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "the other to run after")
+    retried_claims_share_the_free_workers(gate, seen, (523, 524))
 
 
 def test_a_killed_lock_session_sets_lock_lost_and_the_gate_reconnects(gate_factory, database_url):

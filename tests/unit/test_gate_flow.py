@@ -13,7 +13,15 @@ from scheduler.backends.embedded import EmbeddedBackend
 from scheduler.gate import Gate
 from scheduler.observers import events
 from scheduler.registry.context import Interrupted
-from tests.support import FakeMonotonic, Recorder, make_job, now_tick, settle
+from tests.support import (
+    FakeMonotonic,
+    Recorder,
+    a_waiting_tick_still_runs,
+    make_job,
+    now_tick,
+    retried_claims_share_the_free_workers,
+    settle,
+)
 
 
 class Calls:
@@ -125,22 +133,8 @@ def test_ticks_beyond_the_free_workers_wait_for_one(gate_over_file):
 def test_a_tick_that_waited_for_a_worker_still_runs_when_its_next_tick_comes(gate_over_file):
     # Ticks are dropped nowhere while they may still run: one that waited here (for a
     # worker, or behind another replica's share) runs in its grace, then the next one.
-    release = threading.Event()
-    blocker = make_job(33, lambda ctx: release.wait(10), name="blocker")
-    late = make_job(34, lambda ctx: None, name="late")
     gate, seen, _, _ = gate_over_file(max_workers=1)
-    first, second = now_tick(-3), now_tick(-2)
-    gate.submit(blocker, first)
-    settle(gate, lambda: seen.of(events.RunStarted), "the blocker's run")
-    gate.submit(late, first)
-    gate.step()
-    gate.submit(late, second)  # its next tick comes while the first still waits
-    gate.step()
-    release.set()
-    settle(gate, lambda: len(seen.of(events.RunFinished)) == 3, "both ticks of late to run")
-    started = [e.scheduled_at for e in seen.of(events.RunStarted) if e.job == "late"]
-    assert started == [first, second]
-    assert not seen.of(events.TickSkipped)
+    a_waiting_tick_still_runs(gate, seen, (33, 34))
 
 
 def test_ticks_due_before_a_run_wait_behind_it_and_one_fired_during_it_is_skipped(
@@ -167,20 +161,8 @@ def test_ticks_due_before_a_run_wait_behind_it_and_one_fired_during_it_is_skippe
 
 
 def test_batches_claimed_apart_share_the_free_workers(gate_over_file):
-    # A failed batch is tried again an entry at a time: each claim may win only what
-    # the ones before it in the same step left of the free workers.
-    release = threading.Event()
-    jobs = [make_job(36 + i, lambda ctx: release.wait(10), name=f"b{i}") for i in range(2)]
-    gate, seen, _, backend = gate_over_file(max_workers=1)
-    backend.claim = Calls(backend.claim, fail_if=lambda requests: len(requests) == 2)
-    gate.submit_all(jobs, now_tick(-1))
-    gate.step()  # fails: both go back, to be claimed one by one
-    gate.step()
-    assert [len(batch) for batch in backend.claim.batches] == [2, 1, 1]
-    assert len(seen.of(events.RunStarted)) == 1
-    assert gate.table.free_slots() == 0
-    release.set()
-    settle(gate, lambda: len(seen.of(events.RunFinished)) == 2, "the other to run after")
+    gate, seen, _, _ = gate_over_file(max_workers=1)
+    retried_claims_share_the_free_workers(gate, seen, (36, 37))
 
 
 def test_a_failed_claim_is_tried_again_later_and_apart_from_healthy_ticks(gate_over_file):
