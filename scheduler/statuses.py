@@ -31,6 +31,8 @@ class Told(StrEnum):
 # Why a run was recorded `crashed`: one wording wherever it is decided.
 CRASHED_LOST_LOCK = "its replica died or lost the job's lock before the run ended"
 CRASHED_FOUND_BY_SWEEP = "its replica died before the run ended (no session holds the job's lock)"
+NOT_STARTED_LOCK_LOST = "not started: its replica lost the job's lock before a worker was free"
+NOT_STARTED_UNSURE = "not started: asking again before its start failed ({reason})"
 CRASHED_AT_SHUTDOWN = "still running when shutdown_grace ({grace:g} s) ran out"
 # Why a run was recorded `failed` although it may have returned: the job's `timeout`.
 TIMED_OUT = "timed out after {timeout}"

@@ -708,3 +708,99 @@ class RawReceiver:
 
     def close(self) -> None:
         self.listener.close()
+
+
+# -- runs won ahead of a free worker (scheduler/gate/ahead.py), on either backend --------
+
+
+class HeldPool:
+    """The gate's workers, held: each run handed over waits until the test lets it go
+    (`go`), and then runs on this thread, as a worker would run it."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+
+    def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None:
+        self.tasks += tasks
+
+    def go(self, count: int | None = None) -> None:
+        taken, self.tasks = self.tasks[:count], self.tasks[len(self.tasks[:count]) :]
+        for fn, args in taken:
+            fn(*args)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return not self.tasks
+
+    def shutdown(self) -> None:
+        return None
+
+
+def claimed_ahead(gate: Any, clock: FakeMonotonic, keys: tuple[int, ...]) -> list[CatalogJob]:
+    """One worker, runs known to last a millisecond: one claim wins every tick of `keys`,
+    all but one ahead of a free worker, each with a lease; none has started yet."""
+    from scheduler.gate.ahead import LEASE
+
+    pool = HeldPool()
+    gate.table.workers = pool
+    gate.ahead = True
+    gate.table.lengths.add(0.001)
+    jobs = [make_job(key, lambda ctx: None, name=f"ahead{key}") for key in keys]
+    gate.submit_all(jobs, now_tick(-1))
+    gate.step()
+    pool.tasks.sort(key=lambda task: task[1][0].job.key)  # the order of `keys`
+    runs = gate.table.runs()
+    assert len(runs) == len(keys) and gate.table.max_workers == 1
+    assert all(run.lease_until == clock.now + LEASE for run in runs)
+    return jobs
+
+
+def a_run_won_ahead_past_its_lease_is_asked_again(
+    gate: Any, seen: Recorder, clock: FakeMonotonic, keys: tuple[int, int, int]
+) -> list[Any]:
+    """The first run starts in its lease; the others, taken past it, are asked again (one
+    recheck for both), started with a new lease, and every tick runs once. Returns the
+    rechecks sent."""
+    from scheduler.gate.ahead import LEASE
+    from scheduler.observers import events
+
+    claimed_ahead(gate, clock, keys)
+    asked: list[Any] = []
+    recheck = gate.backend.recheck
+    gate.backend.recheck = lambda runs: asked.append(list(runs)) or recheck(runs)
+    gate.table.workers.go(1)
+    clock.now += LEASE + 0.01
+    gate.table.workers.go()  # past their lease: handed back, not started
+    assert len(seen.of(events.RunStarted)) == 1
+    gate.step()
+    assert [len(runs) for runs in asked] == [2]
+    assert all(
+        run.lease_until == clock.now + LEASE for run in gate.table.runs() if run.ended is None
+    )
+    gate.table.workers.go()
+    settle(gate, lambda: len(seen.of(events.RunFinished)) == 3, "every tick to run once")
+    assert sorted(e.key for e in seen.of(events.RunStarted)) == sorted(keys)
+    return asked
+
+
+def a_pause_meanwhile_stops_a_run_won_ahead(
+    gate: Any, seen: Recorder, clock: FakeMonotonic, keys: tuple[int, int]
+) -> None:
+    """A job paused after its run was claimed ahead, before a worker took it: past its lease
+    the run does not start; its tick is recorded paused, and its lock given back."""
+    from scheduler.fleet import pauses
+    from scheduler.gate.ahead import LEASE
+    from scheduler.observers import events
+
+    jobs = claimed_ahead(gate, clock, keys)
+    with gate.backend.ledger_engine.begin() as conn:
+        pauses.pause(conn, keys[1], jobs[1].name, by="test", reason=None, now=datetime.now(UTC))
+    gate.table.workers.go(1)
+    clock.now += LEASE + 0.01
+    gate.table.workers.go()
+    gate.step()
+    gate.table.workers.go()
+    settle(gate, lambda: seen.of(events.RunFinished), "the other job's run")
+    assert [e.key for e in seen.of(events.RunStarted)] == [keys[0]]
+    assert [e.key for e in seen.of(events.TickPaused)] == [keys[1]]
+    assert keys[1] not in gate.backend.held_keys()
+    assert not gate.table.running_keys()

@@ -140,6 +140,20 @@ class FinishRequest(NamedTuple):  # a tuple: a burst's finishes make hundreds of
     retry_in_s: float | None = None  # failed, with another attempt due this much later
 
 
+class Recheck(NamedTuple):
+    """A run that no worker took within its lease (scheduler/gate/ahead.py): asked again
+    before it starts."""
+
+    key: int
+    scheduled_at: datetime
+    run_id: int
+    give_back: bool  # not to run here (a reload took its job away): its row and lock go
+    # What a pause does to it: `run` (a scheduled or caught-up tick: recorded paused),
+    # `retry` (an attempt after a failure: waits again for the resume), `asked` (a run a
+    # person asked for: nothing).
+    kind: str = "run"
+
+
 class FinishResult(NamedTuple):
     key: int
     scheduled_at: datetime
@@ -175,6 +189,9 @@ class LockStore(Protocol):
     needs_watchdog: bool
     # Whether run-now requests wake the replica (PostgreSQL's NOTIFY); if not, it looks.
     notifies_requests: bool
+    # Whether the gate claims runs ahead of its free workers (each claim is a round trip
+    # worth saving), under a lease and `recheck` (scheduler/gate/ahead.py).
+    claims_ahead: bool
 
     def connect(self) -> None:
         """Open the lock session; raises Unavailable."""
@@ -186,6 +203,12 @@ class LockStore(Protocol):
         """Decide and answer every tick of a batch atomically, winning at most `capacity`
         runs. Raises SessionLost.
         """
+
+    def recheck(self, runs: Sequence[Recheck]) -> list[Outcome]:
+        """Runs whose lease ran out, one outcome each, in order: `run` (its start is
+        stamped now; it may start), `paused` (the job was paused since its claim: a tick
+        recorded paused, a retry waiting again) or `lost` (given back, or no longer this
+        run's row). A run that will not start has its lock released. Raises SessionLost."""
 
     def held_keys(self) -> set[int]:
         """The job locks this session holds now. Raises SessionLost."""

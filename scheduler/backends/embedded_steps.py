@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, delete, select, update
 from sqlalchemy.dialects.sqlite import insert
 
 from scheduler.backends.base import (
@@ -25,6 +25,7 @@ from scheduler.backends.base import (
     FinishResult,
     Intent,
     Outcome,
+    Recheck,
     Retries,
     TickRef,
 )
@@ -599,7 +600,57 @@ class _Retries(_Shared):
         return result, stale
 
 
-class Steps(_Decide, _Finish, _Retries):
+class _Recheck(_Shared):
+    """scheduler_recheck: runs whose lease ran out, asked again before they start."""
+
+    def recheck(self, runs: Sequence[Recheck]) -> list[Outcome]:
+        paused = self._paused({r.key for r in runs if r.kind != "asked" and not r.give_back})
+        return [self._recheck_one(r, r.key in paused) for r in runs]
+
+    def _recheck_one(self, r: Recheck, paused: bool) -> Outcome:
+        t = tables.ticks
+        mine = (
+            t.c.job_key == r.key,
+            t.c.scheduled_at == r.scheduled_at,
+            t.c.run_id == r.run_id,
+            t.c.status == Status.RUNNING,
+        )
+        if r.give_back:
+            self.conn.execute(delete(t).where(*mine))
+            return Outcome.LOST
+        change: dict[str, Any] = {"started_at": self.now}
+        if paused and r.kind == "retry":
+            change = self._attempt_before(r)
+        elif paused:
+            change = {"status": Status.PAUSED, "run_id": None, "started_at": None}
+            change["caught_up"] = False
+        if not change or not self.conn.execute(update(t).where(*mine).values(**change)).rowcount:
+            return Outcome.LOST
+        return Outcome.PAUSED if paused else Outcome.RUN
+
+    def _attempt_before(self, r: Recheck) -> dict[str, Any]:
+        """A retry paused before it began: its row as the failed attempt before it, due
+        again now (it waits for the resume), as `_start_retry` found it."""
+        t, a = tables.ticks, tables.attempts
+        attempt = self.conn.execute(
+            select(t.c.attempt).where(t.c.job_key == r.key, t.c.scheduled_at == r.scheduled_at)
+        ).scalar()
+        if attempt is None:
+            return {}
+        row = self.conn.execute(
+            select(a).where(
+                a.c.job_key == r.key, a.c.scheduled_at == r.scheduled_at, a.c.attempt == attempt - 1
+            )
+        ).first()
+        if row is None:
+            return {}
+        kept = ("status", "attempt", "instance", "run_id", "started_at", "finished_at")
+        change = {name: getattr(row, name) for name in (*kept, "duration_s", "error", "told")}
+        change["retry_at"] = self.now
+        return change
+
+
+class Steps(_Decide, _Finish, _Retries, _Recheck):
     """One transaction's worth of steps, by the names of postgres.sql's functions' steps."""
 
 

@@ -35,6 +35,7 @@ from scheduler.backends.base import (
     FinishRequest,
     FinishResult,
     Outcome,
+    Recheck,
     Retries,
     SessionLost,
     TickRef,
@@ -253,6 +254,7 @@ class PostgresBackend:
     name = "postgresql"
     needs_watchdog = True
     notifies_requests = True  # LISTEN on the lock session
+    claims_ahead = True  # a claim is a round trip: worth winning a few runs ahead
 
     def __init__(
         self,
@@ -559,6 +561,19 @@ class PostgresBackend:
         with self._session() as conn:
             rows: list[Finished] = named(conn.execute(QUERIES["finish"], params), Finished)
         return [row.result() for row in rows]
+
+    def recheck(self, runs: Sequence[Recheck]) -> list[Outcome]:
+        params = {
+            "ns": self.namespace,
+            "keys": pg_numbers([r.key for r in runs]),
+            "ticks": pg_times([r.scheduled_at for r in runs]),
+            "run_ids": pg_numbers([r.run_id for r in runs]),
+            "give_back": pg_bools([r.give_back for r in runs]),
+            "kinds": pg_texts([r.kind for r in runs]),
+        }
+        with self._session() as conn:
+            said = conn.execute(QUERIES["recheck"], params).scalar_one()
+        return [Outcome(outcome) for outcome in said]
 
     def heartbeat(self, expected: Collection[int] | None = None) -> list[int]:
         """Also looks for run-now requests (one a notification missed is taken in time)

@@ -273,6 +273,67 @@ BEGIN
 END;
 $$;
 
+-- A run that no worker took within its lease (gate/ahead.py), asked again before it starts:
+-- given back (a reload took its job away: the row goes, and the tick is anyone's again);
+-- if its job was paused since its claim, a scheduled or caught-up tick is recorded
+-- `paused` and a retry waits again for the resume, as it was before its claim (a run a
+-- person asked for, `asked`, goes paused or not); else its start is stamped now. Only a
+-- row still this run's counts: otherwise `lost`. A run that will not start gives its
+-- lock back, as the last thing the call does.
+CREATE FUNCTION scheduler_recheck(
+    p_namespace integer, p_keys integer[], p_ticks timestamptz[], p_run_ids bigint[],
+    p_give_back boolean[], p_kinds text[]
+) RETURNS TABLE (outcomes text[]) LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+    v_outcome text;
+    v_unlock integer[] := '{}';
+BEGIN
+    outcomes := '{}';
+    FOR r IN SELECT q.key, q.tick, q.run_id, q.give_back, q.kind,
+                    q.kind <> 'asked' AND EXISTS (
+                        SELECT 1 FROM scheduler_pauses p WHERE p.job_key = q.key) AS paused
+               FROM unnest(p_keys, p_ticks, p_run_ids, p_give_back, p_kinds) WITH ORDINALITY
+                    AS q(key, tick, run_id, give_back, kind, place)
+              ORDER BY q.place LOOP
+        v_outcome := CASE WHEN r.give_back THEN 'lost' WHEN r.paused THEN 'paused' ELSE 'run' END;
+        IF r.give_back THEN
+            DELETE FROM scheduler_ticks t
+             WHERE t.job_key = r.key AND t.scheduled_at = r.tick AND t.run_id = r.run_id
+               AND t.status = 'running';
+        ELSIF r.paused AND r.kind = 'retry' THEN
+            UPDATE scheduler_ticks t
+               SET status = a.status, attempt = a.attempt, instance = a.instance,
+                   run_id = a.run_id, started_at = a.started_at, finished_at = a.finished_at,
+                   duration_s = a.duration_s, error = a.error, told = a.told,
+                   retry_at = clock_timestamp()
+              FROM scheduler_attempts a
+             WHERE t.job_key = r.key AND t.scheduled_at = r.tick AND t.run_id = r.run_id
+               AND t.status = 'running' AND a.job_key = t.job_key
+               AND a.scheduled_at = t.scheduled_at AND a.attempt = t.attempt - 1;
+        ELSIF r.paused THEN
+            UPDATE scheduler_ticks t SET status = 'paused', run_id = NULL, started_at = NULL,
+                   caught_up = false
+             WHERE t.job_key = r.key AND t.scheduled_at = r.tick AND t.run_id = r.run_id
+               AND t.status = 'running';
+        ELSE
+            UPDATE scheduler_ticks t SET started_at = clock_timestamp()
+             WHERE t.job_key = r.key AND t.scheduled_at = r.tick AND t.run_id = r.run_id
+               AND t.status = 'running';
+        END IF;
+        IF NOT FOUND THEN
+            v_outcome := 'lost';
+        END IF;
+        outcomes := outcomes || v_outcome;
+        IF v_outcome <> 'run' THEN
+            v_unlock := v_unlock || r.key;
+        END IF;
+    END LOOP;
+    PERFORM pg_advisory_unlock(p_namespace, k) FROM unnest(v_unlock) k;
+    RETURN NEXT;
+END;
+$$;
+
 -- Step 5. Record skips: each skipped tick's row says whose run held the lock. A tick
 -- skipped because a run a person asked for (run-now) was still going is recorded so too,
 -- but is not the job overrunning its schedule: it counts in no skip streak (step 7).
@@ -317,18 +378,20 @@ BEGIN
         SELECT c.key, c.tick, c.name, c.fail_threshold FROM unnest(p_ticks) c
          WHERE c.fate = 'running'
     ), stale AS (
-        SELECT r.job_key, r.scheduled_at
+        SELECT r.ctid AS row_id
           FROM scheduler_ticks r JOIN runs ON r.job_key = runs.key
          WHERE r.status = 'running' AND r.scheduled_at <> runs.tick
          ORDER BY r.scheduled_at, r.job_key
            FOR UPDATE OF r
     ), marked AS (
+        -- Each row locked above, found again by where it lies (ctid; locked, it stays
+        -- there): a join by key could take the index of instants, and read every row of
+        -- a burst's second for each.
         UPDATE scheduler_ticks r
            SET status = 'crashed', finished_at = clock_timestamp(),
                error = coalesce(r.error, p_message)
           FROM stale
-         WHERE r.job_key = stale.job_key AND r.scheduled_at = stale.scheduled_at
-           AND r.status = 'running'
+         WHERE r.ctid = stale.row_id AND r.status = 'running'
         RETURNING r.job_key, r.scheduled_at
     )
     SELECT m.job_key, count(*)::integer, max(m.scheduled_at), min(runs.name),
@@ -828,20 +891,26 @@ BEGIN
                    AS f(key, tick, run_id, status, error, told, duration, threshold, next_due,
                         retry_in)
     ), mine AS (
-        -- Running rows are few (a partial index holds them): never a scan of the ledger.
-        SELECT r.job_key, r.scheduled_at
-          FROM scheduler_ticks r JOIN f ON r.job_key = f.key AND r.scheduled_at = f.tick
-         WHERE r.status = 'running' AND r.job_key = ANY (p_keys) AND r.run_id = f.run_id
+        -- One probe per run sent, in the one row-lock order (each row is locked as it is
+        -- found): never a scan of the ledger, nor each running row taken against each run
+        -- sent, as a join planned for a handful of runs was.
+        SELECT r.row_id, r.job_key, r.scheduled_at
+          FROM (SELECT * FROM f ORDER BY f.tick, f.key) f CROSS JOIN LATERAL (
+                   SELECT t.ctid AS row_id, t.job_key, t.scheduled_at FROM scheduler_ticks t
+                    WHERE t.job_key = f.key AND t.scheduled_at = f.tick
+                      AND t.status = 'running' AND t.run_id = f.run_id
+                   OFFSET 0) r
          ORDER BY r.scheduled_at, r.job_key
            FOR UPDATE OF r
     ), done AS (
+        -- By where each row locked above lies (as in scheduler_crash_stale): a join by
+        -- key took the index of instants, and read a burst's whole second for each row.
         UPDATE scheduler_ticks r
            SET status = f.status, finished_at = clock_timestamp(), error = f.error,
                told = f.told, duration_s = f.duration,
                retry_at = clock_timestamp() + make_interval(secs => f.retry_in)
           FROM mine JOIN f ON f.key = mine.job_key AND f.tick = mine.scheduled_at
-         WHERE r.job_key = mine.job_key AND r.scheduled_at = mine.scheduled_at
-           AND r.status = 'running'
+         WHERE r.ctid = mine.row_id AND r.status = 'running'
         RETURNING r.job_key, r.scheduled_at, r.finished_at
     )
     SELECT x.key, x.tick, x.run_id, x.status, x.error, x.threshold, x.next_due,

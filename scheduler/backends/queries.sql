@@ -36,6 +36,12 @@ SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),
     CAST(:unlocks AS boolean[]), CAST(:thresholds AS integer[]),
     CAST(:next_dues AS timestamptz[]), CAST(:retry_in AS double precision[]))
 
+-- name: recheck
+-- Runs won ahead whose lease ran out, asked again before they start (scheduler_recheck).
+SELECT outcomes FROM scheduler_recheck(:ns, CAST(:keys AS integer[]),
+    CAST(:ticks AS timestamptz[]), CAST(:run_ids AS bigint[]), CAST(:give_back AS boolean[]),
+    CAST(:kinds AS text[]))
+
 -- name: claim_retries
 -- Due retries of these jobs started, lock first (scheduler_start_retries).
 SELECT * FROM scheduler_start_retries(:ns, :instance, CAST(:keys AS integer[]), :capacity,

@@ -698,6 +698,7 @@ def _pause(config: Config, catalog: Catalog, name: str, reason: str | None, by: 
     except Exception as exc:
         raise LedgerError(f"cannot pause {job.name}: {one_line(exc)}") from None
     if made:
+        pauses.settle()
         print(f"{job.name}: {pause.describe()}")
         print("  no replica starts it until `scheduler resume`; a run going now is not stopped")
     else:

@@ -16,20 +16,26 @@ from __future__ import annotations
 
 import getpass
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import Connection, delete, select
 
 from scheduler.errors import ConfigError, LedgerError
+from scheduler.gate.ahead import LEASE
 from scheduler.ledger import tables
 from scheduler.ledger.outbox import add_notice
 from scheduler.ledger.times import iso
 from scheduler.observers import alerts
 from scheduler.text import printable, storable
+from scheduler.waits import sleep as wait
 
 MAX_REASON = 500  # characters of a pause's reason
 MAX_ACTOR = 200  # characters of who paused or resumed
+# Seconds after a pause commits during which a run claimed before it may still start (a
+# run won ahead of a free worker, under its lease: scheduler/gate/ahead.py).
+SETTLE = LEASE
 PAUSE_TRIES = 3  # a pause found in force, and resumed before it was read: tried again
 
 
@@ -68,6 +74,12 @@ def checked(text: str | None, what: str, limit: int) -> str | None:
     if len(text) > limit:
         raise ConfigError(f"{what}: at most {limit} characters, got {len(text)}")
     return text or None
+
+
+def settle(sleep: Callable[[float], None] = wait) -> None:
+    """After a new pause has committed: once this returns, no run of the job starts
+    (but a run a person asks for), on any replica."""
+    sleep(SETTLE)
 
 
 def paused_jobs(conn: Connection, key: int | None = None) -> dict[int, Pause]:

@@ -38,7 +38,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
 
-from scheduler.backends.base import Intent, LockStore, Outcome, SessionLost
+from scheduler.backends.base import Intent, LockStore, Outcome, Recheck, SessionLost
+from scheduler.errors import one_line
+from scheduler.gate.ahead import LEASE
 from scheduler.gate.backlog import helper_order
 from scheduler.gate.claims import Claimed, Claims, claim_request
 from scheduler.gate.finishes import Finishes
@@ -49,6 +51,7 @@ from scheduler.gate.ticks import ManualTicks, RequestDesk, TickQueue, outcome
 from scheduler.gate.workers import Workers
 from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob
+from scheduler.statuses import NOT_STARTED_LOCK_LOST, NOT_STARTED_UNSURE, Status
 
 log = logging.getLogger("scheduler.gate")
 
@@ -175,6 +178,7 @@ class Gate:
             wake=self.wake,
         )
         self.session.on_told = self.table.told  # the runs told are the table's
+        self.ahead = backend.claims_ahead  # claims may win runs beyond the free workers
         self.manual = ManualTicks(clock)
         self._stepping = threading.Lock()  # held by the dispatcher for each step
         self._stopped = threading.Event()
@@ -205,6 +209,7 @@ class Gate:
         dispatcher, so from then on no path starts a disabled job on its own."""
         with self._stepping:
             self.queue.refresh(current)
+            self.table.give_back(lambda key: (job := current(key)) is not None and job.scheduled)
 
     def trigger(self, job: CatalogJob, timeout: float | None = None) -> ManualResult:
         """Run one tick of `job` now, through the same gate (`scheduler trigger`)."""
@@ -266,7 +271,7 @@ class Gate:
         self.table.stopping.set()
         deadline = self.monotonic() + grace
         if runs:
-            self.table.workers.wait(timeout=max(0.0, deadline - self.monotonic()))
+            self._drain(deadline)
         self._flush_finishes(deadline)
         if any(run.ended is None for run in self.table.runs()):
             self.session.tell("still running when shutdown_grace ran out")
@@ -280,6 +285,13 @@ class Gate:
             self.backend.close()
             self.table.workers.shutdown()
         return [run.job.name for run in abandoned]
+
+    def _drain(self, deadline: float) -> None:
+        """Until every run here has ended or `deadline`: runs won ahead may still need the
+        dispatcher (asked again) before a worker starts them."""
+        while self.table.going() and self.monotonic() < deadline:
+            self.wake()
+            self.table.workers.wait(timeout=max(0.0, min(0.05, deadline - self.monotonic())))
 
     def _flush_finishes(self, deadline: float) -> None:
         while self.monotonic() < deadline:
@@ -310,7 +322,7 @@ class Gate:
         finish_at = self.finishes.due_at(self.table.gathered_at, self._hold_finishes())
         if finish_at is not None:
             wait = min(wait, max(0.0, finish_at - now))
-        if self.manual.pending():
+        if self.manual.pending() or self.table.waiting_recheck():
             return 0.0
         due = self.queue.next_due(self.table.free_slots(), self.table.running)
         if due is not None:
@@ -337,6 +349,7 @@ class Gate:
             session.lose("no round trip succeeded within holder_timeout")
             return
         self._guard(self._take_requests)
+        self._guard(self._recheck)
         # Finished runs are recorded once the claims have started new ones, so that their
         # round trip overlaps those runs; first, if a tick of one of their jobs waits (it
         # would be claimed `skipped` behind a run that has ended).
@@ -417,12 +430,55 @@ class Gate:
         self.manual.take_requests(self.backend, self.session, desk, self.instance)
 
     def _claim_queued(self) -> bool:
-        """Claim the queued ticks; each batch's runs start as soon as its answer comes."""
+        """Claim the queued ticks; each batch's runs start as soon as its answer comes
+        (those won ahead of a free worker, as one frees), each under a lease: one a
+        worker takes later is asked again first (gate/ahead.py)."""
         failed, session = False, self.session
-        for claimed in self.claims.queued(self.table.free_slots(), self.table.running):
-            self.table.start(claimed.won, session.generation, session.opened)
+        for claimed in self.claims.queued(self.table.budget(self.ahead), self.table.running):
+            lease = claimed.sent + LEASE
+            self.table.start(claimed.won, session.generation, session.opened, lease_until=lease)
             failed = failed or claimed.failed
         return failed
+
+    def _recheck(self) -> None:
+        """Runs won ahead whose lease ran out before a worker took them: asked again, and
+        started, recorded paused, or given back (gate/ahead.py). If the call fails, none
+        of them starts: the call may have given their locks back."""
+        expired, opened = self.table.expired(), self.session.opened
+        for run, _ in expired:
+            if run.session != opened or run.generation.lock_lost.is_set():
+                self.table.ended(run, Status.CRASHED, NOT_STARTED_LOCK_LOST)  # its lock is gone
+        expired = [(run, e) for run, e in expired if run.ended is None]
+        if not expired:
+            return
+        asked = [
+            Recheck(run.job.key, run.ctx.scheduled_at, run.ctx.run_id, run.give_back, run.kind)
+            for run, _ in expired
+        ]
+        sent = self.monotonic()
+        try:
+            answer = self.session.round_trip(lambda: self.backend.recheck(asked))
+        except Exception as exc:
+            reason = "the session was lost" if isinstance(exc, SessionLost) else one_line(exc)
+            log.warning("asking again for %d run(s) won ahead failed (%s)", len(asked), reason)
+            for run, _ in expired:
+                self.table.ended(run, Status.CRASHED, NOT_STARTED_UNSURE.format(reason=reason))
+            if isinstance(exc, SessionLost):
+                raise
+            return
+        assert isinstance(answer, list)
+        go = []
+        for (run, started), said in zip(expired, answer, strict=True):
+            if said is Outcome.RUN:
+                go.append((run, started))
+                continue
+            self.table.dropped(run)
+            if run.manual is not None:  # whoever waits for it learns it did not run
+                run.manual.set_result(ManualResult(said))
+            if said is Outcome.PAUSED and run.kind == "run":  # a retry waits, unrecorded
+                job = run.job
+                self.emit(events.TickPaused(job.name, job.key, run.ctx.scheduled_at, self.instance))
+        self.table.relet(go, sent + LEASE)
 
     def _claim_manual(self, intents: frozenset[Intent]) -> bool:
         """Claim the queued manual ticks of these intents (run-now, caught-up); returns
@@ -441,6 +497,7 @@ class Gate:
             elif self.table.running(m.job.key) is not Running.NOT:
                 m.result.set_result(ManualResult(Outcome.HELD, holder=self.instance))
             else:
+                sent = self.monotonic()
                 try:
                     claimed = self.claims.manual(m.job, m.tick, m.result, m.intent)
                 except SessionLost:
@@ -448,7 +505,12 @@ class Gate:
                     raise
                 session, caught_up = self.session, m.intent is Intent.CATCH_UP
                 self.table.start(
-                    claimed.won, session.generation, session.opened, m.result, caught_up
+                    claimed.won,
+                    session.generation,
+                    session.opened,
+                    m.result,
+                    caught_up,
+                    lease_until=sent + LEASE,
                 )
                 if claimed.failed:
                     self.manual.put_back(manual[i + 1 :])
@@ -461,8 +523,10 @@ class Gate:
         desk = self.desk
         if desk is None or self.table.stopping.is_set():
             return False
+        sent = self.monotonic()
         won, failed = self.retries.look(desk, self.table.running_keys, self.table.free_slots())
-        self.table.start(won, self.session.generation, self.session.opened)
+        session = self.session
+        self.table.start(won, session.generation, session.opened, lease_until=sent + LEASE)
         return failed
 
 

@@ -40,11 +40,12 @@ YIELDED_RETRY = 0.1  # seconds before trying a tick left to another replica's sh
 
 
 class Claimed(NamedTuple):
-    """A claim's answer to the dispatcher: the runs to start, and whether a claim failed
-    (it may have left locks behind)."""
+    """A claim's answer to the dispatcher: the runs to start, whether a claim failed (it
+    may have left locks behind), and when it was sent (monotonic: a lease counts from it)."""
 
     won: Won
     failed: bool
+    sent: float = 0.0
 
 
 def claim_request(job: CatalogJob, tick: datetime, intent: Intent) -> ClaimRequest:
@@ -84,7 +85,7 @@ class Claims:
         free workers are one budget for all the batches: each wins at most what the
         ones before it left.
         """
-        for batch in self.queue.take(free, running):
+        for batch in self.queue.take(free, running):  # `free`: workers, and runs ahead
             for claimed in self._batch(batch, free):
                 free -= len(claimed.won)
                 yield claimed
@@ -123,6 +124,7 @@ class Claims:
 
     def _batch(self, batch: Batch, capacity: int) -> Iterator[Claimed]:
         requests = [claim_request(r.job, r.tick, r.intent) for r in batch.requests]
+        sent = self.session.monotonic()
         try:
             answer = self._claim(requests, capacity)
         except SessionLost:
@@ -134,11 +136,11 @@ class Claims:
                 "claiming %d tick(s) failed (%s); trying again shortly", len(requests), failure
             )
             self.queue.put_back(batch.entries, failed=True)
-            yield Claimed([], failed=True)
+            yield Claimed([], failed=True, sent=sent)
             return
         jobs = {r.job.key: r.job for r in batch.requests}
         yield Claimed(
-            [(jobs[r.key], r) for r in answer.answered if r.outcome is Outcome.RUN], False
+            [(jobs[r.key], r) for r in answer.answered if r.outcome is Outcome.RUN], False, sent
         )
         for result in answer.answered:
             if result.outcome is not Outcome.RUN:

@@ -20,12 +20,13 @@ from typing import Protocol
 
 from scheduler.backends.base import ClaimResult, Outcome
 from scheduler.config.schedules import format_duration
+from scheduler.gate.ahead import RunLengths
 from scheduler.gate.runner import execute
 from scheduler.gate.session import Generation
 from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob
 from scheduler.registry.context import RunContext
-from scheduler.statuses import CRASHED_AT_SHUTDOWN, TIMED_OUT, Status, Told
+from scheduler.statuses import CRASHED_AT_SHUTDOWN, NOT_STARTED_LOCK_LOST, TIMED_OUT, Status, Told
 
 # The ticks a claim won, each with its job: runs to start.
 Won = list[tuple[CatalogJob, ClaimResult]]
@@ -87,6 +88,18 @@ class Run:
     caught_up: bool = False  # a tick missed while the fleet was down (`catch_up: all`)
     abandoned: bool = False  # still running when shutdown_grace ran out: its lock stays
     batch: int = 0  # the runs a claim won are handed over together, as one batch
+    # Won ahead of a free worker: it may start until then (monotonic), else is asked
+    # again first (gate/ahead.py). None: it starts whenever a worker takes it.
+    lease_until: float | None = None
+    begun: bool = False  # a worker has started it (or it never will: given back, lost)
+    give_back: bool = False  # a reload took its job away before it began: not to start
+
+    @property
+    def kind(self) -> str:
+        """What a pause does to it before it begins (backends/base.py, `Recheck.kind`)."""
+        if self.asked:
+            return "asked"
+        return "retry" if self.ctx.attempt > 1 and not self.caught_up else "run"
 
     @property
     def asked(self) -> bool:
@@ -203,6 +216,15 @@ class RunTable:
         self._mutex = threading.Lock()
         self._runs: dict[int, Run] = {}  # job key -> run executing here
         self._batches = itertools.count(1)
+        self.lengths = RunLengths()  # how long runs here last: how many to claim ahead
+        # Won ahead, lease run out: the dispatcher asks again (`begin`).
+        self._expired: list[tuple[Run, events.RunStarted]] = []
+
+    def budget(self, ahead: bool) -> int:
+        """Runs a claim may win now: the free workers, and with `ahead` (the backend claims
+        ahead), what they would start within `ahead.HORIZON`."""
+        free = self.free_slots()
+        return free + self.lengths.ahead(free) if ahead else free
 
     # -- what the dispatcher reads ---------------------------------------------------
 
@@ -284,6 +306,7 @@ class RunTable:
         opened: int,
         manual: Future[ManualResult] | None = None,
         caught_up: bool = False,
+        lease_until: float | None = None,
     ) -> None:
         """Hand the runs to workers; each worker reports its own start.
 
@@ -312,13 +335,91 @@ class RunTable:
         batch = next(self._batches)
         with self._mutex:
             for run, _ in ready:
-                run.batch = batch
+                run.batch, run.lease_until = batch, lease_until
                 self._runs[run.job.key] = run
         run_one = self.execute
         self.workers.submit_all([(run_one, (run, started)) for run, started in ready])
 
+    def begin(self, run: Run, started: events.RunStarted) -> bool:
+        """Whether a worker may start `run` now; every start asks here first.
+
+        No run starts once its lock went with a lost session: it is recorded crashed,
+        not started (a worker may take it long after its claim: behind busy workers, or
+        in a process that was stopped). A scheduled tick's run starts only within its
+        lease, and not once a reload took its job away; past its lease, or given back,
+        it goes to the dispatcher (`expired`) and wakes it.
+        """
+        if run.lease_until is None:
+            if run.generation.lock_lost.is_set():
+                self.ended(run, Status.CRASHED, NOT_STARTED_LOCK_LOST)
+                return False
+            run.started = self.monotonic()
+            return True
+        with self._mutex:
+            if run.begun:
+                return False
+            run.begun = True
+            lost = run.generation.lock_lost.is_set()
+            late = run.give_back or self.monotonic() > run.lease_until
+            if late and not lost:
+                run.begun = False
+                self._expired.append((run, started))
+        if lost:
+            self.ended(run, Status.CRASHED, NOT_STARTED_LOCK_LOST)
+            return False
+        if late:
+            self.wake()
+            return False
+        run.started = self.monotonic()
+        return True
+
+    def waiting_recheck(self) -> bool:
+        """Whether runs handed back wait to be asked again (the dispatcher: at once)."""
+        with self._mutex:
+            return bool(self._expired)
+
+    def expired(self) -> list[tuple[Run, events.RunStarted]]:
+        """The runs handed back to be asked again (`begin`), taken out."""
+        with self._mutex:
+            taken, self._expired = self._expired, []
+        return taken
+
+    def relet(self, runs: list[tuple[Run, events.RunStarted]], lease_until: float) -> None:
+        """Runs asked again and free to go: to the workers, with a new lease."""
+        with self._mutex:
+            for run, _ in runs:
+                run.lease_until = lease_until
+        self.workers.submit_all([(self.execute, task) for task in runs])
+
+    def dropped(self, run: Run) -> None:
+        """A run won ahead that will not start here (paused, given back): its job is free."""
+        with self._mutex:
+            run.begun = True
+            if self._runs.get(run.job.key) is run:
+                del self._runs[run.job.key]
+
+    def give_back(self, keep: Callable[[int], bool]) -> int:
+        """After a reload: runs won ahead and not begun, of jobs not `keep`, are not to
+        start here; returns how many. Under the dispatcher's step lock, so that none of
+        them starts once the reload has returned."""
+        with self._mutex:
+            marked = [
+                run
+                for run in self._runs.values()
+                if run.lease_until is not None
+                and not run.begun
+                and run.manual is None
+                and run.ctx.attempt == 1
+                and not keep(run.job.key)
+            ]
+            for run in marked:
+                run.give_back = True
+        return len(marked)
+
     def execute(self, run: Run, started: events.RunStarted) -> None:
         """On a worker: the run, from its start told to its ending handed over (`ended`)."""
+        if not self.begin(run, started):
+            return
         self.emit(started)  # listeners are thread-safe
         timeout = run.job.timeout
         timer = None
@@ -331,6 +432,7 @@ class RunTable:
             timer.cancel()
         if timeout is not None and run.ctx.timed_out.is_set():
             status, error = Status.FAILED, TIMED_OUT.format(timeout=format_duration(timeout))
+        self.lengths.add(self.monotonic() - run.started)
         self.ended(run, status, error)
         with self._mutex:
             last = run.batch not in self._going()

@@ -11,8 +11,9 @@ before the first worker gets going. Nothing needs a Future: a run reports
 its own end to the gate.
 
 Threads are started only while every existing thread is busy, up to
-`max_workers`, and are kept: a thread is always free for each run the gate
-has claimed, because the gate never claims more runs than `max_workers`.
+`max_workers`, and are kept. Runs handed over beyond them wait in the queue:
+runs won ahead of a free worker (gate/ahead.py), which a worker checks before
+it starts one (`RunTable.begin`).
 """
 
 from __future__ import annotations

@@ -174,6 +174,8 @@ class Page:
             done = self._do(action, found, form)
         except SchedulerError as exc:  # bad input, no taker, a ledger that failed
             return self._refused(request, 400, str(exc), name, script)
+        if done.word == "paused":
+            pauses.settle()  # once answered, no run of the job starts (but a run-now)
         target = f"/jobs/{quote(found.name)}?done={done.word}"
         if done.request is not None:
             target += f"&asked={done.request}"

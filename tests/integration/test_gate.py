@@ -10,10 +10,13 @@ import threading
 
 import psycopg
 
-from scheduler.backends.base import Outcome
+from scheduler.backends.base import Outcome, Recheck
 from scheduler.observers import events
 from tests.support import (
+    a_pause_meanwhile_stops_a_run_won_ahead,
+    a_run_won_ahead_past_its_lease_is_asked_again,
     a_waiting_tick_still_runs,
+    claimed_ahead,
     make_job,
     now_tick,
     retried_claims_share_the_free_workers,
@@ -108,3 +111,39 @@ def test_a_manual_trigger_runs_through_the_gate(gate_factory):
         gate.stop(5)
     assert result.outcome is Outcome.RUN and result.status == "succeeded"
     assert seen.of(events.RunStarted)[0].manual
+
+
+def test_a_run_won_ahead_past_its_lease_is_asked_again_and_runs(gate_factory):
+    gate, seen, clock = gate_factory(max_workers=1)
+    a_run_won_ahead_past_its_lease_is_asked_again(gate, seen, clock, (531, 532, 533))
+    assert gate.backend.held_keys() == set()
+
+
+def test_a_job_paused_after_its_run_was_won_ahead_does_not_start(gate_factory, database_url):
+    gate, seen, clock = gate_factory(max_workers=1)
+    a_pause_meanwhile_stops_a_run_won_ahead(gate, seen, clock, (541, 542))
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT status, run_id, started_at FROM scheduler_ticks WHERE job_key = 542"
+        ).fetchone()
+    assert row == ("paused", None, None)
+
+
+def test_a_recheck_gives_back_a_run_won_ahead_and_answers_a_row_not_its_own_lost(
+    gate_factory, database_url
+):
+    gate, _, clock = gate_factory(max_workers=1)
+    claimed_ahead(gate, clock, (551, 552))
+    first, second = sorted(gate.table.runs(), key=lambda run: run.job.key)
+    asked = [
+        Recheck(551, first.ctx.scheduled_at, first.ctx.run_id, give_back=True),
+        Recheck(552, second.ctx.scheduled_at, second.ctx.run_id + 1000, give_back=False),
+    ]
+    assert gate.backend.held_keys() == {551, 552}
+    assert gate.backend.recheck(asked) == [Outcome.LOST, Outcome.LOST]
+    assert gate.backend.held_keys() == set()  # neither will start here: both locks go
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            "SELECT job_key, status FROM scheduler_ticks WHERE job_key IN (551, 552)"
+        ).fetchall()
+    assert rows == [(552, "running")]  # 551's tick is anyone's again; 552's row untouched

@@ -1,0 +1,4 @@
+-- Functions only: scheduler_recheck asks again for a run won ahead of a free worker whose
+-- lease ran out before a worker took it (scheduler/gate/ahead.py); a finish, and a claim's
+-- crash of stale runs, find each row they locked by where it lies (ctid) instead of by a
+-- join that could take the index of instants, and a finish probes its runs one by one.

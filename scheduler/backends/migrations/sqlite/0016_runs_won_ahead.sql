@@ -1,0 +1,1 @@
+-- Nothing changes here: the embedded backend's recheck is a method (0016 on PostgreSQL).
