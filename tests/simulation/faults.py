@@ -23,7 +23,9 @@ from sqlalchemy.exc import OperationalError
 from scheduler.backends.base import FinishRequest, SessionLost
 from scheduler.backends.embedded_steps import Steps
 
-CALLS = ("claim", "finish", "claim_retries", "release_strays", "heartbeat", "take_requests")
+CALLS = (
+    "claim", "finish", "claim_retries", "recheck", "release_strays", "heartbeat", "take_requests"
+)  # fmt: skip
 
 # The server's code for each fault raised inside a statement.
 PG_CODES = {"statement_timeout": "57014", "lock_timeout": "55P03", "deadlock": "40P01"}
@@ -39,8 +41,8 @@ BEGIN
     RETURN NEW;
 END $$;
 """
-# Embedded: the steps of a claim, a finish and a look for retries; `_lock` fails just
-# after it took a lock (a statement cut short behind it).
+# Embedded: the steps of a claim, a finish, a look for retries and a recheck; `_lock`
+# fails just after it took a lock (a statement cut short behind it).
 EMBEDDED_POINTS = (
     "choose",
     "lock_manual",
@@ -52,6 +54,7 @@ EMBEDDED_POINTS = (
     "record_finishes",
     "finish_streaks",
     "claim_retries",
+    "recheck",
     "_lock",
 )
 # A fault that waits for one kind of call meets it at one of the statements that call
@@ -101,13 +104,16 @@ class Faulty:
         self._touch = touch  # the ledger or the locks may have changed
         self._real = real
         self._kill = kill  # end this replica's session as the server would (False: cannot)
-        self._fired = fired  # count a fault that met a call
+        self._fired = fired  # count a fault that met a call (or a recheck sent)
         self._observe = observe  # what a call committed: (name, args, result)
         # (fault, point, the call it waits for: None for whichever comes first)
         self.armed: tuple[str, int, str | None] | None = None
         # A comparable play (twins.py): no killed session, faults inside a statement raised
         # at the call's edge, so both backends meet the same faults at the same calls.
         self.comparable = False
+        # Claim ahead of the free workers whatever the backend (the embedded one has
+        # `recheck` too, though it does not claim ahead on its own), but in a comparable play.
+        self.ahead_anyway = False
         self.pid: int | None = None  # PostgreSQL: the lock session's backend
 
     def __getattr__(self, name: str) -> Any:
@@ -119,6 +125,15 @@ class Faulty:
         (the server ends it); the embedded backend's kernel locks live with the process.
         A comparable play has no such watch on either (see twins.py)."""
         return False if self.comparable else bool(self._real.needs_watchdog)
+
+    @property
+    def claims_ahead(self) -> bool:
+        """PostgreSQL's claims win runs ahead of the free workers, under a lease; the
+        embedded backend's do not (but with `ahead_anyway`). A comparable play claims
+        ahead on neither, so that both hand their runs over alike (see twins.py)."""
+        if self.comparable:
+            return False
+        return self.ahead_anyway or bool(self._real.claims_ahead)
 
     def connect(self) -> None:
         self._touch()
@@ -141,6 +156,11 @@ class Faulty:
 
     def claim_retries(self, *args: Any) -> Any:
         return self._call("claim_retries", args)
+
+    def recheck(self, *args: Any) -> Any:
+        """Counted as sent (the summary's rechecks), whether a fault meets it or not."""
+        self._fired("recheck_sent")
+        return self._call("recheck", args)
 
     def release_strays(self, *args: Any) -> Any:
         return self._call("release_strays", args)

@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from scheduler.config.schedules import _ticks
 from scheduler.fleet.housekeeping import MISSED_LIMIT
+from scheduler.fleet.pauses import SETTLE
 from scheduler.ledger import tables
 from scheduler.observers import alerts
 from scheduler.observers.notices import GIVE_UP_AFTER
@@ -88,12 +89,20 @@ def run_id_grows(world: World, run: SimRun) -> None:
 
 def paused_starts_no_scheduled_tick(world: World, run: SimRun) -> None:
     """Pause (guarantee 9): a job paused for the fleet starts none of its ticks, retries or
-    caught-up ticks; only a run a person asks for (`scheduler trigger`) runs paused or not."""
-    if run.key in world.paused and not run.run.asked:
+    caught-up ticks once `pauses.SETTLE` has passed since the pause committed (when
+    `scheduler pause` returns); before, only a run handed to the workers before the
+    commit (won ahead, under its lease). A run a person asks for (`scheduler trigger`)
+    runs paused or not."""
+    paused_at = world.paused.get(run.key)
+    if paused_at is None or run.run.asked:
+        return
+    now = world.monotonic()
+    if now >= paused_at + SETTLE or run.handed_at >= paused_at:
         raise Violation(
             "paused_starts_no_scheduled_tick",
             f"job {run.key} tick {run.scheduled_at} attempt {run.attempt} started on "
-            f"{run.replica.name} while paused",
+            f"{run.replica.name} {now - paused_at:.3f} s after its pause committed (handed "
+            f"to the workers {run.handed_at - paused_at:.3f} s after it), settle {SETTLE} s",
         )
 
 
@@ -125,8 +134,21 @@ def within_max_workers(world: World, run: SimRun) -> None:
         )
 
 
+def starts_within_lease(world: World, run: SimRun) -> None:
+    """Claiming ahead (scheduler/gate/ahead.py): a run won ahead of a free worker starts
+    only within its lease (else it is asked again first, and starts with a new one)."""
+    lease = run.run.lease_until
+    if lease is not None and world.monotonic() > lease:
+        raise Violation(
+            "starts_within_lease",
+            f"job {run.key} tick {run.scheduled_at} attempt {run.attempt} started on "
+            f"{run.replica.name} {world.monotonic() - lease:.3f} s after its lease ran out",
+        )
+
+
 ON_START = (
     within_max_workers,
+    starts_within_lease,
     caught_up_tick_was_due,
     no_tick_started_twice,
     no_overlap_unless_told,

@@ -20,6 +20,7 @@ FAULTS = (
     "deadlock",
     "killed_session",
     "frozen_replica",
+    "stalled_replica",  # as it hands runs over (world._handing): no step of its own
     "clock_jump",
     "clock_skew",
     "restart_other_schedule",

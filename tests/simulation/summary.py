@@ -15,6 +15,8 @@ TOTALS: dict[str, Any] = {
 }  # fmt: skip
 VIOLATIONS: list[int] = [0]
 CUT = "sweep_cut_short"  # not a fault of the budget's: a sweep step's own (world._sweep)
+# Runs won ahead, asked again past their lease (Gate._recheck): not faults, paths covered.
+RECHECKS = ("run", "paused", "lost")
 
 
 def add(kind: str, played: Played, steps: int) -> None:
@@ -58,10 +60,14 @@ def line() -> str | None:
         return None
     kinds = TOTALS["kinds"]
     seeds = TOTALS["seeds"] // max(1, len(kinds))
-    faults = ", ".join(f"{kind} {TOTALS['faults'].get(kind, 0)}" for kind in FAULTS)
+    counted = TOTALS["faults"]
+    faults = ", ".join(f"{kind} {counted.get(kind, 0)}" for kind in FAULTS)
+    rechecked = ", ".join(f"{said} {counted.get(f'recheck_{said}', 0)}" for said in RECHECKS)
     return (
         f"simulation: {seeds} seeds x {TOTALS['steps']} steps ({', '.join(kinds)}); "
-        f"faults injected: {faults}; sweeps cut short: {TOTALS['faults'].get(CUT, 0)}; "
+        f"faults injected: {faults}; sweeps cut short: {counted.get(CUT, 0)}; "
+        f"rechecks: {counted.get('recheck_sent', 0)} sent, "
+        f"{counted.get('recheck_answered', 0)} answered (runs: {rechecked}); "
         f"rules checked: {TOTALS['checked']}; "
         f"violations: {VIOLATIONS[0]}"
         + (

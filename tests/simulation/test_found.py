@@ -143,3 +143,32 @@ def test_a_notice_is_not_given_up_before_its_fifteen_minutes(kind, pg_server):
     (every_notice_delivered). The last retry now falls at the deadline itself."""
     played = play(kind, pg_server, 5009, draw(5009, 800))
     assert played.violation is None, played.violation
+
+
+# A replica claims `fast` and `slow` and stops as it hands them over (world._handing);
+# `fast` is paused meanwhile; the fleet settles, and the stopped replica's workers take
+# both runs long after the pause has returned (`scheduler pause` waits `SETTLE`).
+PAUSED_AS_IT_WAITED = [
+    Step("tick", 15836, 2321, 28776),
+    Step("fault_call", 28301, 18955, 18213),  # r2 claims both and stops, 3 s
+    Step("pause_resume", 13004, 23121, 33865),  # `fast` paused
+]
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "embedded"])
+def test_a_run_won_ahead_whose_job_was_paused_as_it_waited_never_starts(kind, pg_server):
+    """Seed 10 claims ahead on both backends: each run handed over has a lease, and past
+    it is asked again (`Gate._recheck`): `fast` is recorded paused, `slow` starts."""
+    played = play(kind, pg_server, 10, PAUSED_AS_IT_WAITED)
+    assert played.violation is None, played.violation
+    assert played.faults["stalled_replica"] == 1
+    assert (played.faults["recheck_paused"], played.faults["recheck_run"]) == (1, 1)
+
+
+def test_a_scheduled_run_has_its_lease_without_claims_ahead_too():
+    """Seed 8 on the embedded backend, which does not claim ahead: the same steps. A
+    scheduled tick's run had no lease there, and `fast` started 11 s after its pause
+    committed; every scheduled tick's run now has one, and is asked again."""
+    played = play("embedded", None, 8, PAUSED_AS_IT_WAITED)
+    assert played.violation is None, played.violation
+    assert played.faults["recheck_paused"] == 1

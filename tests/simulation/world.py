@@ -9,9 +9,12 @@ thread would call it. The world's time is the monotonic clock of every gate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections import Counter
+import os
+import zlib
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,6 +42,7 @@ from scheduler.ledger import tables
 from scheduler.ledger.history import TickRow
 from scheduler.ledger.outbox import NOTICE_LEASE
 from scheduler.ledger.registrations import Registration
+from scheduler.observers import events
 from scheduler.registry.catalog import CatalogJob, schedule_text
 from scheduler.statuses import TIMED_OUT, Status
 from tests.simulation import jobs, rules, sweeps
@@ -55,6 +59,11 @@ BY_HAND = frozenset({Intent.MANUAL, Intent.CATCH_UP})
 # Steps that change neither the ledger nor the locks unless a gate calls its backend
 # (which `touched` notes): the rules that read them are not read again after these.
 QUIET = frozenset({"tick", "freeze", "clock_jump", "clock_skew", "reload", "run_now", "finish"})
+EPOCH = 1000.0  # the gates' monotonic clock at the world's start
+LONGEST_TICK = 4.4  # seconds a tick step lets pass, at most
+STALL_EVERY = 4  # hand-overs of runs to the workers, of which one stops its process
+# Seconds a pause's transaction takes: it commits after every claim sent before its step.
+PAUSE_COMMITS = 0.001
 
 
 class CutShort(ConnectionError):
@@ -65,6 +74,7 @@ class CutShort(ConnectionError):
 class SimRun:
     replica: Replica
     run: Run
+    handed_at: float  # when the gate last handed it to the workers (monotonic)
     lock_gone: bool = False  # its session ended under it (the replica may not know yet)
     ended: bool = False
 
@@ -93,16 +103,56 @@ class SimRun:
         return self.run.ctx.lock_lost.is_set()
 
 
-class SimPool:
-    """The gate's workers: each run handed over is the simulation's to play."""
+Begin = Callable[[Run, events.RunStarted], bool]
+Started = Callable[[Run, float], None]  # a run started, and when it was handed over
 
-    def __init__(self, started: Callable[[Run], None]) -> None:
+
+class SimPool:
+    """The gate's workers (scheduler/gate/workers.py), each run they start the simulation's
+    to play: at most `max_workers` going at once, the rest waiting in the order handed
+    over, as in the real pool; runs won ahead of a free worker wait there under a lease.
+
+    Every start asks the run table first, as `RunTable.execute` does (`begin`): a run it
+    refuses is no longer the pool's (handed back to the dispatcher past its lease, or
+    recorded crashed), and may come back with a new lease (`RunTable.relet`).
+    """
+
+    def __init__(
+        self,
+        max_workers: int,
+        monotonic: Callable[[], float],
+        started: Started,
+        frozen: Callable[[], bool],
+        handing: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.max_workers = max_workers
+        self.monotonic = monotonic
         self.started = started
+        self.frozen = frozen  # the process is stopped: its workers take nothing
+        self.handing = handing  # runs are handed over (the process may stop there)
+        self.begin: Begin | None = None  # the gate's `RunTable.begin`, once the gate exists
+        self.waiting: deque[tuple[Run, events.RunStarted, float]] = deque()
+        self.going: list[Run] = []  # started here and not ended (`Run.ended` unset)
 
     def submit_all(self, tasks: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None:
-        for _fn, (run, _event) in tasks:
-            assert isinstance(run, Run)
-            self.started(run)
+        now = self.monotonic()
+        for _fn, (run, event) in tasks:
+            assert isinstance(run, Run) and isinstance(event, events.RunStarted)
+            self.waiting.append((run, event, now))
+        self.handing()
+        self.take()
+
+    def take(self) -> None:
+        """Each free worker takes the run that has waited longest, if `begin` lets it start."""
+        assert self.begin is not None
+        if self.frozen():
+            return
+        self.going = [run for run in self.going if run.ended is None]
+        while self.waiting and len(self.going) < self.max_workers:
+            run, event, handed_at = self.waiting.popleft()
+            if self.begin(run, event):
+                self.going.append(run)
+                self.started(run, handed_at)
 
     def wait(self, timeout: float | None = None) -> bool:
         return True
@@ -124,9 +174,16 @@ class Replica:
     killed_while_frozen: bool = False
     in_force: list[InForce] = field(default_factory=list)  # its registrations
     notices: SimNotices | None = None  # its deliverer of the outbox
+    killed: set[int] = field(default_factory=set)  # its lock sessions ended under it
 
     def frozen(self, now: float) -> bool:
         return self.frozen_since is not None and now < self.frozen_until
+
+    @property
+    def pool(self) -> SimPool:
+        pool = self.gate.table.workers
+        assert isinstance(pool, SimPool)
+        return pool
 
 
 @dataclass
@@ -138,7 +195,7 @@ class World:
     runs: list[SimRun] = field(default_factory=list)
     started: dict[tuple[int, datetime, int], str] = field(default_factory=dict)
     max_run_id: dict[int, int] = field(default_factory=dict)  # by job
-    paused: set[int] = field(default_factory=set)
+    paused: dict[int, float] = field(default_factory=dict)  # when each pause committed
     streaks: dict[int, int] = field(default_factory=dict)  # skip streaks, from the claims
     failures: dict[int, int] = field(default_factory=dict)  # failure streaks, from the calls
     counted_ends: set[tuple[int, datetime, int | None]] = field(default_factory=set)
@@ -165,6 +222,10 @@ class World:
     played: int = 0  # steps played (and settle's rounds): what the rules read once per step
     ledger_read: tuple[int, Any] = (-1, None)  # rules.py's read of the streaks and outbox
     comparable: bool = False  # the faults both backends meet alike only (see twins.py)
+    step_now: Step | None = None  # the step being played
+    gates: list[Gate] = field(default_factory=list)  # every one made, gone or not
+    settling: bool = False
+    ahead_anyway: bool = False  # the embedded backend claims ahead too (Faulty.claims_ahead)
 
     # What each job's replicas registered, as the world saw it (the rule's own record),
     # and as the ledger's registrations (what catch-up plans from).
@@ -198,7 +259,7 @@ class World:
     # -- the world's clocks ----------------------------------------------------------
 
     def monotonic(self) -> float:
-        return 1000.0 + self.t
+        return EPOCH + self.t
 
     def now(self) -> datetime:
         return self.start + timedelta(seconds=self.t)
@@ -219,6 +280,15 @@ class World:
             touch=self._touch,
             ahead=lambda: datetime.now(UTC) - self.now(),
         )
+        # Before the gate is made: it reads whether its backend claims ahead once.
+        proxy.comparable, proxy.ahead_anyway = self.comparable, self.ahead_anyway
+        pool = SimPool(
+            MAX_WORKERS,
+            self.monotonic,
+            lambda run, at: self._started(holder[0], run, at),
+            frozen=lambda: holder[0].frozen(self.t),
+            handing=lambda: self._handing(holder[0]),
+        )
         replica_clock = lambda: self.now() + holder[0].skew  # noqa: E731
         notices = SimNotices(
             real.ledger_engine,
@@ -236,9 +306,10 @@ class World:
             clock=replica_clock,
             monotonic=self.monotonic,
             desk=JobsDesk(*catalog.values()),
-            workers=SimPool(lambda run: self._started(holder[0], run)),
+            workers=pool,
         )
-        proxy.comparable = self.comparable
+        pool.begin = gate.table.begin
+        self.gates.append(gate)
         replica = Replica(name, proxy, gate, catalog, fired=self.now() + skew, skew=skew)
         replica.notices = notices
         replica.in_force = self._register(real.instance, catalog, self.now(), None)
@@ -248,11 +319,13 @@ class World:
     def live_runs(self) -> list[SimRun]:
         return [r for r in self.runs if not r.ended]
 
-    def _started(self, replica: Replica, run: Run) -> None:
-        sim = SimRun(replica, run)
+    def _started(self, replica: Replica, run: Run, handed_at: float) -> None:
+        """A run starts; its lock is gone already if its session ended as it waited."""
+        sim = SimRun(replica, run, handed_at, lock_gone=run.session in replica.killed)
         self.say(
             f"{replica.name} starts {run.job.key} {run.ctx.scheduled_at:%H:%M:%S.%f} "
             f"attempt {run.ctx.attempt} run_id {run.ctx.run_id}"
+            + ("" if run.lease_until is None else f" lease t={run.lease_until - EPOCH:.1f}")
         )
         for rule in rules.ON_START:
             self.checked += 1
@@ -272,6 +345,9 @@ class World:
             self._crashes(result.started)
         if name == "finish":
             self._failures(args[0], result)
+        if name == "recheck":  # runs won ahead, asked again past their lease: how often
+            self.say(f"recheck -> {', '.join(str(outcome) for outcome in result)}")
+            self.faults.update(["recheck_answered", *(f"recheck_{said}" for said in result)])
         # A retry is a failed tick's next attempt: it changes no streak (see Retries in
         # docs/run-policies.md), whether it starts or ends.
 
@@ -308,11 +384,15 @@ class World:
     def _failures(self, requests: list[FinishRequest], results: list[FinishResult]) -> None:
         """A tick's last attempt ends the failure streak (succeeded) or grows it (failed,
         crashed); an attempt with another to come, an interruption, or a finish whose row
-        was no longer the run's (crashed meanwhile) change nothing."""
+        was no longer the run's (crashed meanwhile) change nothing. A run that never
+        started (`crashed`) whose row a claim or a sweep found crashed first is answered
+        as if sent again, with no streak: it too changes nothing."""
         asked = {(r.key, r.scheduled_at): r for r in requests}
         for result in results:
             request = asked[(result.key, result.scheduled_at)]
             if not result.recorded or request.retry_in_s is not None:
+                continue
+            if request.status is Status.CRASHED and result.consecutive_failures is None:
                 continue
             once = (request.key, request.scheduled_at, request.run_id)
             if once in self.counted_ends:
@@ -343,6 +423,7 @@ class World:
         self.touched = True
         if not self.site.kill(replica.proxy):
             return False
+        replica.killed.add(session.opened)
         for sim in self.live_runs():
             if sim.replica is replica and sim.run.session == session.opened:
                 sim.lock_gone = True
@@ -356,14 +437,22 @@ class World:
     def play(self, step: Step) -> None:
         self.say(str(step))
         self.played += 1
+        self.step_now = step
         self.touched = step.action not in QUIET
         getattr(self, f"_{step.action}")(step)
+        self.take_waiting()
         self.deliver()
         if not self.touched:
             return
         for rule in rules.AFTER_STEP:
             self.checked += 1
             rule(self)
+
+    def take_waiting(self) -> None:
+        """Workers free, of each replica not frozen, take the runs waiting for them."""
+        for replica in self.replicas:
+            if not replica.frozen(self.t):
+                replica.pool.take()
 
     def deliver(self) -> None:
         """Each replica not frozen delivers what is due (its thread, had it run meanwhile)."""
@@ -377,8 +466,14 @@ class World:
     def _step_one(self, replica: Replica) -> None:
         if replica.frozen(self.t):
             return
-        if replica.frozen_since is not None:  # thawed
+        if replica.frozen_since is not None:  # thawed: its workers go on, as its dispatcher
             replica.frozen_since = None
+            replica.pool.take()
+        self._dispatch(replica)
+
+    def _dispatch(self, replica: Replica) -> None:
+        """One step of the replica's dispatcher (`Gate.step`); an error is logged, as the
+        real loop does, and the step counted."""
         try:
             replica.gate.step()
         except Violation:
@@ -388,8 +483,11 @@ class World:
             self.step_errors += 1
 
     def _tick(self, step: Step) -> None:
+        self._pass(0.5 + (step.a % 40) / 10)
+
+    def _pass(self, seconds: float) -> None:
         """World time passes; each replica's scheduler fires the ticks its clock passed."""
-        self.t += 0.5 + (step.a % 40) / 10
+        self.t += seconds
         for replica in self.replicas:
             self._frozen_too_long(replica)
             if replica.frozen(self.t):
@@ -414,6 +512,30 @@ class World:
                     self.fired.add((job.key, tick))
                     replica.gate.submit(job, tick)
         replica.fired = until
+
+    def _next_tick_in(self, replica: Replica) -> float:
+        """Seconds until the replica's scheduler fires its next tick."""
+        triggers = [job.trigger for job in replica.catalog.values() if job.scheduled]
+        ticks = [tick_after(t, replica.fired) for t in triggers if t is not None]
+        soonest = min((tick for tick in ticks if tick is not None), default=replica.fired)
+        return max(0.0, (soonest - (self.now() + replica.skew)).total_seconds())
+
+    def _handing(self, replica: Replica) -> None:
+        """The replica's process may stop (a GC pause, a CPU quota) at the end of a step of
+        its dispatcher that handed runs over, before its workers took them: one hand-over
+        in `STALL_EVERY`, by its step and replica, for 1 to 4 s. Its workers take those runs
+        after, and each won ahead is past its lease. Not as the fleet settles, nor in a
+        comparable play (see twins.py)."""
+        step = self.step_now
+        if step is None or self.comparable or self.settling or replica.frozen_since is not None:
+            return
+        draw = zlib.crc32(f"{step} {replica.name}".encode())
+        if draw % STALL_EVERY:
+            return
+        replica.frozen_since, replica.killed_while_frozen = self.t, False
+        replica.frozen_until = self.t + 1 + draw // STALL_EVERY % 4
+        self.say(f"{replica.name} stalls until t={replica.frozen_until:.1f}")
+        self.faults.update(["stalled_replica"])
 
     def _frozen_too_long(self, replica: Replica) -> None:
         """PostgreSQL ends a session quiet for holder_timeout (idle_session_timeout)."""
@@ -442,7 +564,7 @@ class World:
         choice = step.b % 10
         if choice == 9:
             return  # it ignores what it was told, and goes on
-        gate, run = sim.replica.gate, sim.run
+        run = sim.run
         told = sim.told() or run.ctx.stopping.is_set()
         if choice in (5, 6) or (choice == 4 and run.job.retries):  # jobs with retries fail more
             status, error = Status.FAILED, "the job failed"
@@ -453,8 +575,23 @@ class World:
             status, error = Status.INTERRUPTED, "interrupted"
         else:
             status, error = Status.SUCCEEDED, None
+        self._end(sim, status, error)
+
+    def _end(self, sim: SimRun, status: Status, error: str | None) -> None:
+        """A run returns, as `RunTable.execute` ends it: its length counts towards how many
+        runs are claimed ahead, its end is handed over, and its worker takes the next run."""
         sim.ended = True
-        gate.finishes.ended(run, status, error)
+        table = sim.replica.gate.table
+        table.lengths.add(self.monotonic() - sim.run.started)
+        table.ended(sim.run, status, error)
+        sim.replica.pool.take()
+
+    def _end_all(self, status: Status, error: str | None, replica: Replica | None = None) -> None:
+        """Every live run ends (of `replica`, or of all), and so does each that a worker
+        freed by them takes from its queue."""
+        while live := [s for s in self.live_runs() if replica in (None, s.replica)]:
+            for sim in live:
+                self._end(sim, status, error)
 
     def _fault_call(self, step: Step) -> None:
         """A fault for the next call that changes something, or for the next of one kind;
@@ -471,13 +608,24 @@ class World:
         self._step_one(replica)
 
     def _freeze(self, step: Step) -> None:
+        """The replica's process stops for a while. One freeze in two stops it just after
+        its dispatcher handed a claim's runs over, before its workers took them: time
+        passes, it claims, and its workers take those runs after the thaw (past the lease
+        of each won ahead, which the dispatcher asks again before it starts); such a
+        freeze ends before its lock session would (the runs are asked again, not lost)."""
         replica = self._replica(step.a)
         if replica.frozen_since is not None:
             return
+        handing = step.c % 2 == 1
+        if handing:  # until its next tick fires (a tick step at most): a claim hands it over
+            self._pass(min(self._next_tick_in(replica), LONGEST_TICK))
         replica.frozen_since, replica.killed_while_frozen = self.t, False
-        longest = HOLDER_TIMEOUT - 6 if self.comparable else 60  # see twins.py
+        short = self.comparable or handing  # see twins.py
+        longest = HOLDER_TIMEOUT - 6 if short else 60
         replica.frozen_until = self.t + 5 + step.b % int(longest)
         self.faults.update(["frozen_replica"])
+        if handing:
+            self._dispatch(replica)  # its workers are stopped: what it hands over waits
 
     def _clock_jump(self, step: Step) -> None:
         replica = self._replica(step.a)
@@ -499,11 +647,8 @@ class World:
         gate.queue.close()
         gate.table.stopping.set()
         old.proxy.armed = None
-        for sim in self.live_runs():
-            if sim.replica is old:
-                sim.ended = True
-                gate.finishes.ended(sim.run, Status.INTERRUPTED, "stopping")
-        for _ in range(3):
+        for _ in range(3):  # what waits for a worker starts, told to stop, and is interrupted
+            self._end_all(Status.INTERRUPTED, "stopping", old)
             self._step_one(old)
             if not gate.table.running_keys():
                 break
@@ -553,14 +698,16 @@ class World:
         self.faults.update(["reload"])
 
     def _pause_resume(self, step: Step) -> None:
+        """`scheduler pause` or `resume`; its commit is a moment after the claims before it."""
         key = jobs.KEYS[step.a % len(jobs.KEYS)]
+        self.t += PAUSE_COMMITS
         with self.site.engine.begin() as conn:
             if key in self.paused:
                 pauses.resume(conn, key, f"job{key}", by="sim", now=datetime.now(UTC))
-                self.paused.discard(key)
+                del self.paused[key]
             else:
                 pauses.pause(conn, key, f"job{key}", by="sim", reason=None, now=datetime.now(UTC))
-                self.paused.add(key)
+                self.paused[key] = self.monotonic()
         self.faults.update(["pause_resume"])
 
     def _run_now(self, step: Step) -> None:
@@ -617,6 +764,8 @@ class World:
             return
         if self.site.kind == "postgresql":
             self.site.restart()
+            for replica in self.replicas:
+                replica.killed.add(replica.gate.session.opened)
             for sim in self.live_runs():
                 sim.lock_gone = True
         else:
@@ -664,8 +813,12 @@ class World:
         self.say(f"{replica.name} sweep: {done}")
 
     def _swept_crashes(self, marked: list[TickRow]) -> None:
+        """Each run a sweep found crashed ends its tick, once: a finish its replica sends
+        later changes nothing (one of a run that never started says `crashed` too, and is
+        answered as if sent again)."""
         for row in marked:
             self.failures[row.key] = self.failures.get(row.key, 0) + 1
+            self.counted_ends.add((row.key, row.scheduled_at, row.run_id))
 
     def _live_jobs(self, sweeper: Replica) -> frozenset[int]:
         """The jobs of the sweeper and of the replicas live as the database sees them (a
@@ -684,12 +837,11 @@ class World:
     def settle(self) -> None:
         """Faults end, frozen replicas thaw, every run ends: the fleet must come to rest
         with every rule still kept."""
+        self.settling = True
         for replica in self.replicas:
             replica.frozen_since, replica.proxy.armed = None, None
-        for sim in self.live_runs():
-            sim.ended = True
-            sim.replica.gate.finishes.ended(sim.run, Status.SUCCEEDED, None)
-        for _ in range(4):
+        for _ in range(4):  # runs started meanwhile (waiting, asked again, retries) end too
+            self._end_all(Status.SUCCEEDED, None)
             self.t += HOLDER_TIMEOUT / 3 + 1
             self.play(Step("step_all"))
         whole = len(self.swept)
@@ -722,9 +874,15 @@ class World:
                 replica.notices.pump()
 
     def close(self) -> None:
+        """Every replica ends; so do the wake-up pipes of every gate made (a process runs
+        many worlds, and `select` takes no descriptor past 1023)."""
         for replica in self.replicas:
             replica.gate.table.stopping.set()
             replica.proxy._real.close()
+        for gate in self.gates:
+            for fd in (gate.wake.fileno, gate.wake._write):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def fired_ticks(job: CatalogJob, after: datetime, until: datetime) -> list[datetime]:
