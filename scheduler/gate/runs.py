@@ -8,6 +8,7 @@ Nothing here talks to the backend.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -34,6 +35,7 @@ Won = list[tuple[CatalogJob, ClaimResult]]
 # they end within milliseconds of each other, and are recorded, and their workers offered
 # to a claim, together rather than one or two at a time.
 GATHER = 0.02
+WAITED = 0.001  # seconds a run waited for a worker that its reported lateness counts
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Run:
     ctx: RunContext
     generation: Generation  # of the session that took the lock; the lock is gone with it
     session: int  # which lock session took its lock (LockSession.opened): only it holds it
-    started: float  # monotonic
+    started: float  # monotonic: handed to the workers, then begun (`RunTable.begin`)
     manual: Future[ManualResult] | None = None  # who waits for its outcome (trigger, catch-up)
     ended: Ending | None = None  # set when the job has returned (or was given up)
     caught_up: bool = False  # a tick missed while the fleet was down (`catch_up: all`)
@@ -93,6 +95,7 @@ class Run:
     lease_until: float | None = None
     begun: bool = False  # a worker has started it (or it never will: given back, lost)
     give_back: bool = False  # a reload took its job away before it began: not to start
+    waited: float = 0.0  # seconds from its hand-over to a worker's start of it
 
     @property
     def kind(self) -> str:
@@ -353,7 +356,7 @@ class RunTable:
             if run.generation.lock_lost.is_set():
                 self.ended(run, Status.CRASHED, NOT_STARTED_LOCK_LOST)
                 return False
-            run.started = self.monotonic()
+            self._begun(run)
             return True
         with self._mutex:
             if run.begun:
@@ -370,8 +373,12 @@ class RunTable:
         if late:
             self.wake()
             return False
-        run.started = self.monotonic()
+        self._begun(run)
         return True
+
+    def _begun(self, run: Run) -> None:
+        now = self.monotonic()
+        run.waited, run.started = max(0.0, now - run.started), now
 
     def waiting_recheck(self) -> bool:
         """Whether runs handed back wait to be asked again (the dispatcher: at once)."""
@@ -420,6 +427,8 @@ class RunTable:
         """On a worker: the run, from its start told to its ending handed over (`ended`)."""
         if not self.begin(run, started):
             return
+        if run.waited > WAITED:  # its lateness, as claimed, and as long again in the queue
+            started = dataclasses.replace(started, lateness_s=started.lateness_s + run.waited)
         self.emit(started)  # listeners are thread-safe
         timeout = run.job.timeout
         timer = None

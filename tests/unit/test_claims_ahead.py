@@ -42,6 +42,16 @@ def test_a_run_won_ahead_past_its_lease_is_asked_again_and_runs(gate_over_file):
     assert all(not r.give_back for r in asked[0])
 
 
+def test_a_run_that_waited_for_a_worker_reports_the_wait_in_its_lateness(gate_over_file):
+    gate, seen, clock, _ = gate_over_file(max_workers=1)
+    claimed_ahead(gate, clock, (605, 606))
+    gate.table.workers.go(1)
+    clock.now += LEASE / 2  # within its lease: it starts without asking again
+    gate.table.workers.go()
+    first, second = seen.of(events.RunStarted)
+    assert second.lateness_s - first.lateness_s >= LEASE / 2
+
+
 def test_a_job_paused_after_its_run_was_won_ahead_does_not_start(gate_over_file):
     gate, seen, clock, _ = gate_over_file(max_workers=1)
     a_pause_meanwhile_stops_a_run_won_ahead(gate, seen, clock, (611, 612))
