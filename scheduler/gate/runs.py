@@ -90,8 +90,8 @@ class Run:
     caught_up: bool = False  # a tick missed while the fleet was down (`catch_up: all`)
     abandoned: bool = False  # still running when shutdown_grace ran out: its lock stays
     batch: int = 0  # the runs a claim won are handed over together, as one batch
-    # Won ahead of a free worker: it may start until then (monotonic), else is asked
-    # again first (gate/ahead.py). None: it starts whenever a worker takes it.
+    # It may start until then (monotonic), else is asked again first (gate/ahead.py);
+    # the gate gives every run one. None: it starts whenever a worker takes it.
     lease_until: float | None = None
     begun: bool = False  # a worker has started it (or it never will: given back, lost)
     give_back: bool = False  # a reload took its job away before it began: not to start
@@ -399,7 +399,7 @@ class RunTable:
         self.workers.submit_all([(self.execute, task) for task in runs])
 
     def dropped(self, run: Run) -> None:
-        """A run won ahead that will not start here (paused, given back): its job is free."""
+        """A run asked again that will not start here (paused, given back): its job is free."""
         with self._mutex:
             run.begun = True
             if self._runs.get(run.job.key) is run:
