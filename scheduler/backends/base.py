@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Engine
 from scheduler.statuses import Status
 
 if TYPE_CHECKING:
+    from scheduler.backends.shares import Shape
     from scheduler.ledger.run_now import RunRequest
 
 
@@ -192,6 +193,13 @@ class LockStore(Protocol):
     # Whether the gate claims runs ahead of its free workers (each claim is a round trip
     # worth saving), under a lease and `recheck` (scheduler/gate/ahead.py).
     claims_ahead: bool
+
+    def shape(self) -> Shape | None:
+        """The fleet as a recent claim saw it (backends/shares.py): None where a backend
+        shares nothing out, and until a claim has seen it."""
+
+    def untaken(self, ticks: Sequence[tuple[int, datetime]]) -> list[int]:
+        """Of these (job key, tick), the places of those no replica has recorded."""
 
     def connect(self) -> None:
         """Open the lock session; raises Unavailable."""

@@ -361,6 +361,15 @@ class EmbeddedBackend:
             self.locks.give_back(key)
         return strays
 
+    def shape(self) -> None:
+        """No shares here (scheduler_share in postgres.sql says why): every replica offers
+        every tick, and no tick is held as another replica's (gate/others.py)."""
+        return None
+
+    def untaken(self, ticks: Sequence[tuple[int, datetime]]) -> list[int]:
+        """Never asked: with no shape, no tick is held as another replica's."""
+        raise RuntimeError("the embedded backend shares no burst out: nothing to probe")
+
     # -- the claim and the finish: the steps of postgres.sql (see embedded_steps.py) -----
 
     def claim(self, requests: Sequence[ClaimRequest], instance: str, capacity: int) -> ClaimAnswer:

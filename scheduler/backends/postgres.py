@@ -500,6 +500,31 @@ class PostgresBackend:
         found = {(r.key, r.scheduled_at) for r in taken}
         return [r for r in requests if (r.key, r.scheduled_at) not in found], taken
 
+    def shape(self) -> shares.Shape | None:
+        return self._shape
+
+    def untaken(self, ticks: Sequence[tuple[int, datetime]]) -> list[int]:
+        """The places (0-based) of the ticks no replica has recorded: a probe of the
+        ledger's key for each, and the fleet's shape read beside it when due."""
+        if not ticks:
+            return []
+        params = {
+            "ns": self.namespace,
+            "keys": pg_numbers([key for key, _ in ticks]),
+            "ticks": pg_times([tick for _, tick in ticks]),
+        }
+        sent_at = self.monotonic()
+        shape = self._shape
+        ask = shape is None or sent_at - shape.read_at >= shares.SHAPE_EVERY
+        with self._session() as conn:
+            if ask:
+                places, live, rank, db_now = conn.execute(QUERIES["taken_and_fleet"], params).one()
+                self._shape = shares.Shape(live, rank, db_now, sent_at)
+            else:
+                places = conn.execute(QUERIES["taken"], params).scalar_one()
+        taken = set(places)
+        return [place - 1 for place in range(1, len(ticks) + 1) if place not in taken]
+
     @staticmethod
     def _lost_among(answer: ClaimAnswer, helping: list[ClaimRequest]) -> int:
         lost = set(answer.lost)

@@ -28,6 +28,18 @@ SELECT coalesce(array_agg(q.place ORDER BY q.place), '{}') AS places
  WHERE EXISTS (SELECT 1 FROM scheduler_ticks t
                 WHERE t.job_key = q.key AND t.scheduled_at = q.tick)
 
+-- name: taken_and_fleet
+-- As `taken`, with the fleet's shape beside it (see `claim_and_fleet`): a replica whose
+-- share of the bursts is small claims seldom, and learns of a changed fleet here.
+SELECT coalesce((SELECT array_agg(q.place ORDER BY q.place)
+                   FROM unnest(CAST(:keys AS integer[]), CAST(:ticks AS timestamptz[]))
+                        WITH ORDINALITY AS q(key, tick, place)
+                  WHERE EXISTS (SELECT 1 FROM scheduler_ticks t
+                                 WHERE t.job_key = q.key AND t.scheduled_at = q.tick)),
+                '{}') AS places,
+       f.live, f.rank, now() AS db_now
+  FROM scheduler_fleet(:ns) f
+
 -- name: finish
 -- One batch of finished runs recorded, then their locks released (scheduler_finish).
 SELECT * FROM scheduler_finish(:ns, :instance, CAST(:keys AS integer[]),

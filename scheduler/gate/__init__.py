@@ -193,7 +193,7 @@ class Gate:
 
     def submit_all(self, jobs: Sequence[CatalogJob], scheduled_at: datetime) -> None:
         """Queue the same tick of several jobs (jobs on one schedule fire together)."""
-        if self.queue.add(jobs, scheduled_at):
+        if self.queue.add(jobs, scheduled_at, self.backend.shape()):
             self.wake()
 
     @contextlib.contextmanager

@@ -85,10 +85,33 @@ class Claims:
         free workers are one budget for all the batches: each wins at most what the
         ones before it left.
         """
+        self._look_at_others()
         for batch in self.queue.take(free, running):  # `free`: workers, and runs ahead
             for claimed in self._batch(batch, free):
                 free -= len(claimed.won)
                 yield claimed
+
+    def _look_at_others(self) -> None:
+        """Other replicas' ticks held here (gate/others.py): one probe for every record
+        due, and the ticks no replica has recorded are queued to help with. If the probe
+        fails, every one of them is: the claims then find out, as they did before."""
+        records = self.queue.unowned()
+        if not records:
+            return
+        ticks = [(job, record.tick, record.since) for record in records for job in record.jobs]
+        try:
+            found = self.session.round_trip(
+                lambda: self.backend.untaken([(job.key, tick) for job, tick, _ in ticks])
+            )
+        except SessionLost:
+            self.queue.help(ticks)
+            raise
+        except Exception as exc:
+            log.warning("looking at other replicas' ticks failed (%s)", one_line(exc))
+            self.queue.help(ticks)
+            return
+        assert isinstance(found, list)
+        self.queue.help([ticks[place] for place in found])
 
     def manual(
         self,

@@ -30,7 +30,9 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from scheduler.backends.base import Intent, LockStore, Outcome
+from scheduler.backends.shares import Shape
 from scheduler.gate.backlog import Backlog
+from scheduler.gate.others import Others, Unowned
 from scheduler.gate.runs import ManualResult, Running
 from scheduler.gate.session import LockSession
 from scheduler.ledger.run_now import RunRequest
@@ -126,15 +128,23 @@ class TickQueue:
         self._mutex = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._backlog = Backlog(order)  # left by a claim: offered a window at a time
+        self._others = Others()  # other replicas' shares, held whole until probed (others.py)
         self._bursts = 0
         self._accepting = True
 
-    def add(self, jobs: Sequence[CatalogJob], tick: datetime) -> bool:
-        """Queue the same tick of several jobs; True if the dispatcher should wake now."""
+    def add(self, jobs: Sequence[CatalogJob], tick: datetime, shape: Shape | None = None) -> bool:
+        """Queue the same tick of several jobs; True if the dispatcher should wake now.
+
+        With the fleet's `shape` known, only this replica's own share is queued; the
+        rest is held as one record, to be probed once anyone may take it (others.py).
+        """
         now = self.monotonic()
         with self._mutex:
             if not self._accepting:
                 return False
+            jobs, theirs = self._others.split(jobs, shape)
+            if theirs:
+                self._others.hold(theirs, tick, now)
             for job in jobs:
                 entry = self._pending.get(job.key)
                 if entry is None and (left := self._backlog.remove(job.key)) is not None:
@@ -166,10 +176,12 @@ class TickQueue:
             self._accepting = False
             self._pending.clear()
             self._backlog.clear()
+            self._others.clear()
 
     def refresh(self, current: Callable[[int], CatalogJob | None]) -> None:
         """After a reload: drop the ticks of jobs no longer scheduled, update the rest."""
         with self._mutex:
+            self._others.refresh(current)
             for key, entry in list(self._pending.items()):
                 job = current(key)
                 if job is None or not job.scheduled:
@@ -200,7 +212,8 @@ class TickQueue:
                 if capacity > 0 or running(key) is not Running.NOT
             ]
             left = self._backlog.next_due() if capacity > 0 else None
-            return min([*due, left] if left is not None else due, default=None)
+            held = self._others.next_due()
+            return min([d for d in (*due, left, held) if d is not None], default=None)
 
     def take(self, capacity: int, running: Callable[[int], Running]) -> list[Batch]:
         """The batches to claim now: the healthy entries together, each failed one alone.
@@ -308,14 +321,40 @@ class TickQueue:
                 entry.others = False
                 self._pending[entry.job.key] = entry
 
+    def unowned(self) -> list[Unowned]:
+        """Other replicas' ticks held long enough to be probed, taken out (others.py)."""
+        now = self.monotonic()
+        with self._mutex:
+            return self._others.due(now) if self._accepting else []
+
+    def help(self, found: Sequence[tuple[CatalogJob, datetime, float]]) -> None:
+        """Other replicas' ticks that none has recorded (job, tick, fired at): queued as
+        ticks yielded by a claim are, to help with now. A tick of the job that waits
+        already stays: both are kept, oldest first."""
+        now = self.monotonic()
+        with self._mutex:
+            if not self._accepting:
+                return
+            for job, tick, since in found:
+                entry = Pending(job, [tick], since, others=True)
+                queued = self._pending.get(job.key) or self._backlog.remove(job.key)
+                if queued is not None:
+                    assert isinstance(queued, Pending)
+                    queued.absorb(entry)
+                    self._pending[job.key] = queued
+                    continue
+                entry.not_before = now
+                self._backlog.put(entry)
+
     def has(self, key: int) -> bool:
         """Whether a tick of job `key` waits to be claimed."""
         with self._mutex:
             return key in self._pending or self._backlog.has(key)
 
     def __len__(self) -> int:
+        """Entries waiting: of jobs queued one by one, and records of other replicas' ticks."""
         with self._mutex:
-            return len(self._pending) + len(self._backlog)
+            return len(self._pending) + len(self._backlog) + len(self._others)
 
 
 log = logging.getLogger("scheduler.gate")

@@ -147,3 +147,57 @@ def test_a_recheck_gives_back_a_run_won_ahead_and_answers_a_row_not_its_own_lost
             "SELECT job_key, status FROM scheduler_ticks WHERE job_key IN (551, 552)"
         ).fetchall()
     assert rows == [(552, "running")]  # 551's tick is anyone's again; 552's row untouched
+
+
+def test_a_replica_holds_other_shares_whole_and_helps_with_the_ticks_their_owner_left(
+    gate_factory,
+):
+    """Once it knows the fleet, a replica queues only its own share of a burst; a probe
+    after HELP_AFTER finds what the other share's owner (here: never stepped) left, and
+    those run here, each once. The owner's late claim then finds every tick taken."""
+    from scheduler.backends.shares import share_of
+    from scheduler.gate.others import HELP_AFTER
+
+    jobs = [make_job(key, lambda ctx: None, name=f"s{key}") for key in range(600, 664)]
+    g1, seen1, clock1 = gate_factory("g1", max_workers=64)
+    g2, seen2, clock2 = gate_factory("g2", max_workers=64)
+    g1.step(), g2.step()  # both lock sessions up: the fleet is two
+    first = now_tick(-3)
+    for gate in (g1, g2):
+        gate.submit_all(jobs, first)
+    for gate in (g1, g2):  # each reads the fleet's shape beside a claim
+        settle(gate, lambda gate=gate: gate.backend.shape() is not None, "the fleet's shape")
+    settle(g1, lambda: g1.table.free_slots() == 64, "the first burst's runs to end")
+    settle(g2, lambda: g2.table.free_slots() == 64, "the first burst's runs to end")
+    shape = g1.backend.shape()
+    assert shape is not None and shape.live == 2
+    own = {job.key for job in jobs if share_of(job.key, 2) == shape.rank}
+
+    later = now_tick(-1)  # anyone's by the time the probe comes (the takeover is 0.1 s)
+    g1.submit_all(jobs, later)
+    g2.submit_all(jobs, later)  # g2 is frozen: it takes no step until the end
+    settle(
+        g1,
+        lambda: {e.key for e in seen1.of(events.RunStarted) if e.scheduled_at == later} == own,
+        "g1's own share to start",
+    )
+    assert len(g1.queue) == 1  # the other share: one record, held
+    clock1.now += HELP_AFTER
+    settle(
+        g1,
+        lambda: (
+            len([e for e in seen1.of(events.RunStarted) if e.scheduled_at == later]) == len(jobs)
+        ),
+        "the other share to be helped with",
+    )
+
+    clock2.now += HELP_AFTER
+    settle(g2, lambda: len(g2.queue) == 0, "g2 to look at its queue")
+    assert [e for e in seen2.of(events.RunStarted) if e.scheduled_at == later] == []
+    with psycopg.connect(g1.backend.url) as conn:
+        counts = conn.execute(
+            "SELECT status, instance, count(*) FROM scheduler_ticks WHERE scheduled_at = %s"
+            " GROUP BY status, instance",
+            (later,),
+        ).fetchall()
+    assert counts == [("succeeded", "g1", len(jobs))]

@@ -135,6 +135,15 @@ class Faulty:
             return False
         return self.ahead_anyway or bool(self._real.claims_ahead)
 
+    def shape(self) -> Any:
+        """PostgreSQL's claims learn the fleet's shape, and a replica then holds other
+        replicas' shares of a tick until a probe (gate/others.py); the embedded backend
+        shares nothing out. A comparable play shares out on neither (see twins.py)."""
+        return None if self.comparable else self._real.shape()
+
+    def untaken(self, *args: Any) -> Any:
+        return self._call("untaken", args)
+
     def connect(self) -> None:
         self._touch()
         self._real.connect()

@@ -1,0 +1,114 @@
+"""Other replicas' shares of a fired tick, held whole until one probe (scheduler/gate/others.py)
+and then helped with through the tick queue (scheduler/gate/ticks.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from scheduler.backends.base import Intent
+from scheduler.backends.shares import Shape, share_of
+from scheduler.gate.others import HELD_MAX, HELP_AFTER, PROBE_MAX, Others
+from scheduler.gate.runs import Running
+from scheduler.gate.ticks import TickQueue
+from tests.support import FakeMonotonic, make_job
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+JOBS = [make_job(key, lambda ctx: None, name=f"j{key}") for key in range(100, 160)]
+SHAPE = Shape(live=3, rank=1, db_now=T0, read_at=0.0)
+OWN = {job.key for job in JOBS if share_of(job.key, 3) == 1}
+
+
+def tick(n: int) -> datetime:
+    return T0 + timedelta(seconds=n)
+
+
+def offered(queue: TickQueue, free: int = 100) -> list[tuple[int, datetime, Intent]]:
+    batches = queue.take(free, lambda key: Running.NOT)
+    return [(r.job.key, r.tick, r.intent) for b in batches for r in b.requests]
+
+
+def test_a_replica_that_knows_no_fleet_offers_every_tick():
+    others = Others()
+    assert others.split(JOBS, None) == (JOBS, ())
+    assert others.split(JOBS, Shape(1, 0, T0, 0.0)) == (JOBS, ())
+
+
+def test_the_split_is_the_servers_share_rule_and_follows_the_shape():
+    others = Others()
+    own, theirs = others.split(JOBS, SHAPE)
+    assert {job.key for job in own} == OWN and 0 < len(OWN) < len(JOBS)
+    assert {job.key for job in theirs} == {job.key for job in JOBS} - OWN
+    own2, _ = others.split(JOBS, Shape(live=2, rank=0, db_now=T0, read_at=0.0))
+    assert {job.key for job in own2} == {job.key for job in JOBS if share_of(job.key, 2) == 0}
+    alone = [JOBS[0]]  # another schedule: a split of its own, not the one remembered
+    assert others.split(alone, Shape(3, share_of(JOBS[0].key, 3), T0, 0.0)) == (alone, [])
+
+
+def test_only_the_own_share_is_queued_and_the_rest_is_held_until_its_probe():
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    queue.add(JOBS, tick(0), SHAPE)
+    assert {key for key, _, _ in offered(queue)} == OWN
+    assert queue.unowned() == []  # not yet anyone's
+    assert queue.next_due(0, lambda key: Running.NOT) == clock.now + HELP_AFTER
+    clock.now += HELP_AFTER
+    (record,) = queue.unowned()
+    assert {job.key for job in record.jobs} == {job.key for job in JOBS} - OWN
+    assert record.tick == tick(0) and queue.unowned() == [] and len(queue) == 0
+
+
+def test_only_the_ticks_the_probe_found_untaken_are_queued_to_help_with():
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    queue.add(JOBS, tick(0), SHAPE)
+    offered(queue)
+    clock.now += HELP_AFTER
+    (record,) = queue.unowned()
+    untaken = record.jobs[:3]
+    queue.help([(job, record.tick, record.since) for job in untaken])
+    assert offered(queue) == [(job.key, tick(0), Intent.RUN) for job in untaken]
+    assert len(queue) == 0
+
+
+def test_a_tick_helped_with_keeps_the_older_one_of_its_job_that_waits():
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    theirs = next(job for job in JOBS if job.key not in OWN)
+    queue.add([theirs], tick(0))  # before the fleet was known: queued as any tick
+    (batch,) = queue.take(0 + 1, lambda key: Running.NOT)
+    queue.leave([(batch.entries[0], tick(0))], others=True)  # yielded to its owner
+    queue.help([(theirs, tick(1), clock.now)])  # its next tick, found untaken
+    assert offered(queue) == [(theirs.key, tick(0), Intent.RUN)]
+    assert offered(queue) == [(theirs.key, tick(1), Intent.RUN)]
+
+
+def test_a_reload_drops_held_ticks_of_jobs_no_longer_scheduled_and_close_forgets_them():
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    queue.add(JOBS, tick(0), SHAPE)
+    offered(queue)
+    kept = {job.key: job for job in JOBS[:10]}
+    queue.refresh(kept.get)
+    clock.now += HELP_AFTER
+    (record,) = queue.unowned()
+    assert {job.key for job in record.jobs} == set(kept) - OWN
+    queue.add(JOBS, tick(1), SHAPE)
+    queue.close()
+    clock.now += HELP_AFTER
+    assert queue.unowned() == [] and len(queue) == 0
+
+
+def test_records_held_are_bounded_and_a_probe_takes_a_bounded_number_of_ticks():
+    others = Others()
+    for n in range(HELD_MAX + 5):  # the lock session is down: nothing is probed
+        others.hold(JOBS, tick(n), float(n))
+    assert len(others) == HELD_MAX  # the oldest went first
+    probes = []
+    while due := others.due(1e9):
+        probes.append(due)
+    assert probes[0][0].tick == tick(5)
+    assert all(sum(len(r.jobs) for r in due) <= PROBE_MAX for due in probes)
+    assert sum(len(due) for due in probes) == HELD_MAX
+    big = JOBS * (PROBE_MAX // len(JOBS) + 1)  # one record over the bound still goes
+    others.hold(big, tick(0), 0.0)
+    assert len(others.due(1e9)) == 1
