@@ -48,6 +48,7 @@ from scheduler.ledger.registrations import (
     Registration,
     by_job,
     mark_seen,
+    names_in_force,
     reassert,
     register,
     registrations_of,
@@ -162,24 +163,25 @@ class Housekeeping:
         self, conn: Connection, catalog: Catalog, others: set[str], now: datetime
     ) -> None:
         me = self.settings.instance_name
-        self._refuse_clashes(catalog, registrations_of(conn), others)
+        self._refuse_clashes(catalog, names_in_force(conn, others))
         register(conn, me, entries(catalog), others, now)
         supersede(conn, {*others, me}, now)
 
-    def _refuse_clashes(self, catalog: Catalog, found: list[Registration], live: set[str]) -> None:
-        for r in found:
-            job = catalog.by_key(r.key)
-            if job is None or r.instance not in live or r.until is not None:
+    def _refuse_clashes(self, catalog: Catalog, found: list[tuple[int, str, str]]) -> None:
+        """`found`: (job key, job name, a live replica) of the live replicas' schedules."""
+        for key, name, instance in found:
+            job = catalog.by_key(key)
+            if job is None:
                 continue
-            if r.name != job.name:
+            if name != job.name:
                 apart = (
                     "its own folder (config.yaml, and the scheduler.db beside it)"
                     if self.settings.embedded
                     else "its own schema (setting `schema`)"
                 )
                 raise ConfigError(
-                    f"job key {r.key} is {job.name!r} here ({job.spec.source}) but "
-                    f"{r.name!r} on the live replica {r.instance}: two fleets (or two versions "
+                    f"job key {key} is {job.name!r} here ({job.spec.source}) but "
+                    f"{name!r} on the live replica {instance}: two fleets (or two versions "
                     f"of one) share this ledger. Give each fleet {apart}, or rename the job "
                     "once no replica runs the old name"
                 )

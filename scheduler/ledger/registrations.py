@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, select, text, update
+from sqlalchemy import Connection, delete, func, or_, select, text, update
 
 from scheduler.ledger.tables import registrations, seen, upsert
 
@@ -82,6 +82,31 @@ def _take_over(
         )
 
 
+def _open_rows(conn: Connection, where: Any) -> list[Registration]:
+    """Schedules in force (open rows) that `where` selects: a fleet of 100 replicas with
+    1,000 jobs each has 100,000 rows, and each replica that starts reads only its own and
+    those of replicas gone, under the writers' table lock."""
+    query = select(registrations).where(registrations.c.until.is_(None), where)
+    return [
+        Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
+        for r in conn.execute(
+            query.order_by(registrations.c.job_key, registrations.c.instance, registrations.c.since)
+        )
+    ]
+
+
+def names_in_force(conn: Connection, instances: set[str]) -> list[tuple[int, str, str]]:
+    """(job key, job name, a replica that runs it so) for each name a job has among these
+    replicas' schedules in force: one row per job and name, however many replicas."""
+    r = registrations.c
+    query = (
+        select(r.job_key, r.job_name, func.min(r.instance))
+        .where(r.until.is_(None), r.instance.in_(sorted(instances)))
+        .group_by(r.job_key, r.job_name)
+    )
+    return [(key, name, instance) for key, name, instance in conn.execute(query)]
+
+
 def by_job(registered: list[Registration]) -> dict[int, list[Registration]]:
     """Registrations grouped by job key, each job's in their order."""
     grouped: dict[int, list[Registration]] = {}
@@ -112,7 +137,8 @@ def register(
     row stays: the ticks from before the change are judged by it (scheduler.fleet.due).
     """
     take_turns(conn)
-    found = registrations_of(conn)
+    c = registrations.c
+    found = _open_rows(conn, or_(c.instance == instance, c.instance.not_in(sorted(live))))
     heirs = _inheritance(found, instance, live)
     _take_over(conn, heirs, {(key, schedule) for key, _, schedule in entries}, [*live, instance])
     mine = {r.key: r for r in found if r.instance == instance and r.until is None}
@@ -164,13 +190,24 @@ def _end(conn: Connection, row: Registration, at: datetime | None) -> None:
 def supersede(conn: Connection, live: set[str], now: datetime) -> int:
     """Schedules of replicas that are gone end where a live replica runs another schedule."""
     take_turns(conn)
-    found = registrations_of(conn)
-    running = {(r.key, r.schedule) for r in found if r.instance in live and r.until is None}
+    c = registrations.c
+    gone = _open_rows(conn, c.instance.not_in(sorted(live)))
+    if not gone:
+        return 0
+    query = (
+        select(c.job_key, c.schedule)
+        .where(
+            c.until.is_(None),
+            c.instance.in_(sorted(live)),
+            c.job_key.in_(sorted({r.key for r in gone})),
+        )
+        .distinct()
+    )
+    running = {(key, schedule) for key, schedule in conn.execute(query)}
     live_keys = {key for key, _ in running}
     ended = 0
-    for r in found:
-        gone = r.instance not in live and r.until is None
-        if gone and r.key in live_keys and (r.key, r.schedule) not in running:
+    for r in gone:
+        if r.key in live_keys and (r.key, r.schedule) not in running:
             _end(conn, r, now)
             ended += 1
     return ended

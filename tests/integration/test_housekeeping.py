@@ -18,7 +18,12 @@ from scheduler.ledger import tables
 from scheduler.ledger.history import TickFilter, history
 from scheduler.ledger.job_states import job_states, track_jobs
 from scheduler.ledger.outbox import add_notice
-from scheduler.ledger.registrations import register, registrations_of, supersede
+from scheduler.ledger.registrations import (
+    names_in_force,
+    register,
+    registrations_of,
+    supersede,
+)
 from scheduler.ledger.retention import prune_batch
 from scheduler.observers.notices import Notices
 from scheduler.registry.catalog import Catalog, schedule_text
@@ -475,3 +480,19 @@ def test_replicas_that_register_together_keep_the_schedule_both_ran(backend_fact
         open_rows = [r for r in registrations_of(conn, [job.key]) if r.until is None]
     assert open_rows, "the fleet lost the schedule it ran"
     assert min(r.since for r in open_rows) == then
+
+
+def test_a_starting_replica_reads_one_row_per_job_and_name_of_the_live_ones(backend_factory):
+    """The clash check at start reads each job's names among the live replicas' schedules
+    in force, one row per job and name however many replicas run it; rows ended, and rows
+    of replicas not live, are not read."""
+    backend = backend_factory("h")
+    now = datetime.now(UTC).replace(microsecond=0)
+    entries = [(key, f"job{key}", "every 1s") for key in range(700, 710)]
+    with backend.ledger_engine.begin() as conn:
+        for name in ("a", "b", "c"):
+            register(conn, name, entries, set(), now)
+        register(conn, "gone", [(700, "old_name", "every 1s")], set(), now)
+        register(conn, "a", [(*entries[0][:2], "every 2s"), *entries[1:]], {"b", "c"}, now)
+        found = names_in_force(conn, {"a", "b"})
+    assert sorted(found) == [(key, f"job{key}", "a") for key in range(700, 710)]
