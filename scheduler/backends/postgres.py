@@ -75,7 +75,7 @@ log = logging.getLogger("scheduler.postgres")
 
 PRESENCE_KEY = 0  # every live replica holds (lock_namespace, 0) in share mode
 TAKEOVER_S = 0.1  # a tick left unclaimed this long after its time is anyone's (see the SQL)
-SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
+SHARE_FROM = shares.SHARE_FROM  # bursts of fewer ticks are not spread over the replicas
 
 
 class Decision(NamedTuple):

@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 from scheduler.backends.base import ClaimRequest, Intent
 
 HASH = 2654435761  # Knuth's multiplicative hash, as scheduler_share
+SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
 SHAPE_EVERY = 1.0  # seconds: the fleet's shape is asked for again at most this often
 
 
@@ -43,6 +44,7 @@ class Shape:
     rank: int
     db_now: datetime  # the database's clock at that claim
     read_at: float  # this replica's monotonic clock when that claim was sent
+    share_from: int = SHARE_FROM  # the fewest ticks of a burst the server shares out
 
     def db_clock(self, monotonic_now: float) -> datetime:
         """The database's clock now, estimated: never behind what the server said."""

@@ -7,7 +7,8 @@ offered again once anyone may take them, they cost each replica the whole fleet'
 ticks: 25-35 µs each, so that 100 replicas of 1,000 jobs needed more CPU than two
 cores have, for ticks their owners had taken long before.
 
-Here they wait as one record per fired tick of a schedule. Once `HELP_AFTER` has
+Here, on a schedule of as many jobs as the server shares a burst out from
+(`Shape.share_from`), they wait as one record per fired tick. Once `HELP_AFTER` has
 passed (the server's takeover, and a margin), one probe of the ledger for every
 record due names the ticks no replica has recorded, and only those join the queue,
 as other replicas' ticks to help with (`TickQueue.help`). A shape gone stale costs
@@ -65,8 +66,10 @@ class Others:
         self, jobs: Sequence[CatalogJob], shape: Shape | None
     ) -> tuple[Sequence[CatalogJob], Sequence[CatalogJob]]:
         """(this replica's own, other replicas'): all are its own while it knows of no
-        other live replica. Remembered per schedule (the same list each time it fires)."""
-        if shape is None or shape.live <= 1:
+        other live replica, and on a schedule of fewer jobs than the server shares out
+        (`Shape.share_from`: the first replica to claim such a tick takes it). Remembered
+        per schedule (the same list each time it fires)."""
+        if shape is None or shape.live <= 1 or len(jobs) < shape.share_from:
             return jobs, ()
         cache = (id(jobs), shape.live, shape.rank)
         found = self._splits.get(cache)

@@ -12,6 +12,7 @@ included, as with the real fault.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -138,8 +139,11 @@ class Faulty:
     def shape(self) -> Any:
         """PostgreSQL's claims learn the fleet's shape, and a replica then holds other
         replicas' shares of a tick until a probe (gate/others.py); the embedded backend
-        shares nothing out. A comparable play shares out on neither (see twins.py)."""
-        return None if self.comparable else self._real.shape()
+        shares nothing out. A comparable play shares out on neither (see twins.py).
+        Held from one job on, so that the few jobs of a world are held as the bursts of
+        a large fleet are."""
+        found = None if self.comparable else self._real.shape()
+        return None if found is None else dataclasses.replace(found, share_from=1)
 
     def untaken(self, *args: Any) -> Any:
         return self._call("untaken", args)

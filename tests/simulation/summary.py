@@ -68,6 +68,8 @@ def line() -> str | None:
         f"faults injected: {faults}; sweeps cut short: {counted.get(CUT, 0)}; "
         f"rechecks: {counted.get('recheck_sent', 0)} sent, "
         f"{counted.get('recheck_answered', 0)} answered (runs: {rechecked}); "
+        f"probes of other replicas' ticks: {counted.get('probe_answered', 0)} answered, "
+        f"{counted.get('probe_ticks', 0)} ticks, {counted.get('probe_untaken', 0)} untaken; "
         f"rules checked: {TOTALS['checked']}; "
         f"violations: {VIOLATIONS[0]}"
         + (

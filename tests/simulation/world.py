@@ -345,6 +345,10 @@ class World:
             self._crashes(result.started)
         if name == "finish":
             self._failures(args[0], result)
+        if name == "untaken":  # other replicas' ticks held here, probed (gate/others.py)
+            self.faults.update(
+                {"probe_answered": 1, "probe_ticks": len(args[0]), "probe_untaken": len(result)}
+            )
         if name == "recheck":  # runs won ahead, asked again past their lease: how often
             self.say(f"recheck -> {', '.join(str(outcome) for outcome in result)}")
             self.faults.update(["recheck_answered", *(f"recheck_{said}" for said in result)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from scheduler.backends.base import Intent
-from scheduler.backends.shares import Shape, share_of
+from scheduler.backends.shares import SHARE_FROM, Shape, share_of
 from scheduler.gate.others import HELD_MAX, HELP_AFTER, PROBE_MAX, Others
 from scheduler.gate.runs import Running
 from scheduler.gate.ticks import TickQueue
@@ -40,8 +40,17 @@ def test_the_split_is_the_servers_share_rule_and_follows_the_shape():
     assert {job.key for job in theirs} == {job.key for job in JOBS} - OWN
     own2, _ = others.split(JOBS, Shape(live=2, rank=0, db_now=T0, read_at=0.0))
     assert {job.key for job in own2} == {job.key for job in JOBS if share_of(job.key, 2) == 0}
-    alone = [JOBS[0]]  # another schedule: a split of its own, not the one remembered
-    assert others.split(alone, Shape(3, share_of(JOBS[0].key, 3), T0, 0.0)) == (alone, [])
+    fewer = JOBS[:SHARE_FROM]  # another schedule: a split of its own, not the one remembered
+    own3, theirs3 = others.split(fewer, SHAPE)
+    assert {job.key for job in own3} == OWN & {job.key for job in fewer}
+    assert len(own3) + len(theirs3) == SHARE_FROM
+
+
+def test_a_schedule_of_fewer_jobs_than_a_shared_burst_is_every_replicas_to_claim():
+    """The server shares out bursts of SHARE_FROM ticks or more; a smaller one goes to the
+    first replica that claims it, so each replica offers all of it at once, as before."""
+    fewer = JOBS[: SHARE_FROM - 1]
+    assert Others().split(fewer, SHAPE) == (fewer, ())
 
 
 def test_only_the_own_share_is_queued_and_the_rest_is_held_until_its_probe():
