@@ -28,6 +28,7 @@ from scheduler.backends.base import (
     SessionLost,
 )
 from scheduler.errors import one_line
+from scheduler.gate.others import help_part
 from scheduler.gate.runs import ManualResult, Running, Won
 from scheduler.gate.session import LockSession
 from scheduler.gate.ticks import Batch, TickQueue
@@ -111,7 +112,14 @@ class Claims:
             self.queue.help(ticks)
             return
         assert isinstance(found, list)
-        self.queue.help([ticks[place] for place in found])
+        untaken = sorted((ticks[place] for place in found), key=self._helper_key)
+        part = help_part(len(untaken), self.backend.shape())
+        self.queue.help(untaken[:part])
+        if part < len(untaken):
+            self.queue.hold_again(untaken[part:])
+
+    def _helper_key(self, found: tuple[CatalogJob, datetime, float]) -> tuple[int, datetime]:
+        return self.queue.helper_order(found[0].key), found[1]
 
     def manual(
         self,

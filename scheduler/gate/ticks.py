@@ -327,6 +327,17 @@ class TickQueue:
         with self._mutex:
             return self._others.due(now) if self._accepting else []
 
+    def hold_again(self, found: Sequence[tuple[CatalogJob, datetime, float]]) -> None:
+        """Untaken ticks not helped with now: held, to be probed again (others.py)."""
+        now = self.monotonic()
+        with self._mutex:
+            if self._accepting:
+                self._others.hold_again(found, now)
+
+    def helper_order(self, key: int) -> int:
+        """This replica's order among other replicas' ticks (backlog.helper_order)."""
+        return self._backlog.order(key)
+
     def help(self, found: Sequence[tuple[CatalogJob, datetime, float]]) -> None:
         """Other replicas' ticks that none has recorded (job, tick, fired at): queued as
         ticks yielded by a claim are, to help with now. A tick of the job that waits

@@ -201,3 +201,54 @@ def test_a_replica_holds_other_shares_whole_and_helps_with_the_ticks_their_owner
             (later,),
         ).fetchall()
     assert counts == [("succeeded", "g1", len(jobs))]
+
+
+def test_a_replica_alone_among_frozen_ones_helps_a_part_at_a_time_and_runs_every_tick(
+    gate_factory,
+):
+    """Four replicas, three frozen after the fleet is known: the one left helps with its
+    part of the untaken ticks per probe (others.HELPERS), holds the rest again, and so
+    runs every tick of the burst after a few probes, each once."""
+    from scheduler.backends.shares import share_of
+    from scheduler.gate.others import HELP_AFTER, HELPERS
+
+    jobs = [make_job(key, lambda ctx: None, name=f"p{key}") for key in range(700, 764)]
+    made = [gate_factory(f"h{n}", max_workers=64) for n in range(4)]
+    for gate, _, _ in made:
+        gate.step()  # every lock session up: the fleet is four
+    first = now_tick(-3)
+    for gate, _, _ in made:
+        gate.submit_all(jobs, first)
+    for gate, _, _ in made:
+        settle(gate, lambda gate=gate: gate.backend.shape() is not None, "the fleet's shape")
+        settle(gate, lambda gate=gate: gate.table.free_slots() == 64, "the first runs to end")
+    g1, seen, clock = made[0]
+    shape = g1.backend.shape()
+    assert shape is not None and shape.live == 4
+
+    later = now_tick(-1)
+
+    def started() -> set[int]:
+        return {e.key for e in seen.of(events.RunStarted) if e.scheduled_at == later}
+
+    own = {job.key for job in jobs if share_of(job.key, 4) == shape.rank}
+    g1.submit_all(jobs, later)  # the other three are frozen: no step from them
+    settle(g1, lambda: started() == own, "g1's own share")
+    untaken = len(jobs) - len(own)
+    part = -(-untaken * HELPERS // 3)  # the part of one of the other three
+    assert part < untaken
+    clock.now += HELP_AFTER
+    settle(g1, lambda: len(started()) == len(own) + part, "a first part of the others' ticks")
+    g1.step()  # the rest is held until its next probe
+    assert len(started()) == len(own) + part
+    for _ in range(20):  # each probe: a part of what is left, and the rest held again
+        clock.now += HELP_AFTER
+        settle(g1, lambda: True, "a step")
+    settle(g1, lambda: len(started()) == len(jobs), "every tick of the burst")
+    with psycopg.connect(g1.backend.url) as conn:
+        counts = conn.execute(
+            "SELECT status, instance, count(*) FROM scheduler_ticks WHERE scheduled_at = %s"
+            " GROUP BY status, instance",
+            (later,),
+        ).fetchall()
+    assert counts == [("succeeded", "h0", 64)]

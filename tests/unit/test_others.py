@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from scheduler.backends.base import Intent
 from scheduler.backends.shares import SHARE_FROM, Shape, share_of
-from scheduler.gate.others import HELD_MAX, HELP_AFTER, PROBE_MAX, Others
+from scheduler.gate.others import HELD_MAX, HELP_AFTER, HELPERS, PROBE_MAX, Others, help_part
 from scheduler.gate.runs import Running
 from scheduler.gate.ticks import TickQueue
 from tests.support import FakeMonotonic, make_job
@@ -121,3 +121,22 @@ def test_records_held_are_bounded_and_a_probe_takes_a_bounded_number_of_ticks():
     big = JOBS * (PROBE_MAX // len(JOBS) + 1)  # one record over the bound still goes
     others.hold(big, tick(0), 0.0)
     assert len(others.due(1e9)) == 1
+
+
+def test_each_replica_helps_with_its_part_of_what_owners_left_and_holds_the_rest_again():
+    """Owners late or gone: each of the other live replicas takes HELPERS times its part
+    of the untaken ticks at once (all of them in a fleet of three or fewer); the rest are
+    held again and probed once more, so that an overloaded fleet does not multiply its
+    work by its size, and no tick is let go."""
+    assert help_part(7, None) == 7
+    assert help_part(7, Shape(3, 0, T0, 0.0)) == 7
+    assert help_part(100, Shape(11, 0, T0, 0.0)) == 100 * HELPERS // 10
+    assert help_part(1, Shape(100, 0, T0, 0.0)) == 1
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    rest = [(job, tick(0), clock.now) for job in JOBS[:5]]
+    queue.hold_again(rest)
+    assert queue.unowned() == []
+    clock.now += HELP_AFTER
+    (record,) = queue.unowned()
+    assert (list(record.jobs), record.tick) == (JOBS[:5], tick(0))
