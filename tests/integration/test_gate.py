@@ -194,13 +194,7 @@ def test_a_replica_holds_other_shares_whole_and_helps_with_the_ticks_their_owner
     clock2.now += HELP_AFTER
     settle(g2, lambda: len(g2.queue) == 0, "g2 to look at its queue")
     assert [e for e in seen2.of(events.RunStarted) if e.scheduled_at == later] == []
-    with psycopg.connect(g1.backend.url) as conn:
-        counts = conn.execute(
-            "SELECT status, instance, count(*) FROM scheduler_ticks WHERE scheduled_at = %s"
-            " GROUP BY status, instance",
-            (later,),
-        ).fetchall()
-    assert counts == [("succeeded", "g1", len(jobs))]
+    assert rows_of(g1, later) == [("succeeded", "g1", len(jobs))]
 
 
 def test_a_replica_alone_among_frozen_ones_helps_a_part_at_a_time_and_runs_every_tick(
@@ -245,10 +239,14 @@ def test_a_replica_alone_among_frozen_ones_helps_a_part_at_a_time_and_runs_every
         clock.now += HELP_AFTER
         settle(g1, lambda: True, "a step")
     settle(g1, lambda: len(started()) == len(jobs), "every tick of the burst")
-    with psycopg.connect(g1.backend.url) as conn:
-        counts = conn.execute(
+    assert rows_of(g1, later) == [("succeeded", "h0", len(jobs))]
+
+
+def rows_of(gate, tick) -> list[tuple[str, str, int]]:
+    """The ledger's rows of `tick`: (status, replica, how many)."""
+    with psycopg.connect(gate.backend.url) as conn:
+        return conn.execute(
             "SELECT status, instance, count(*) FROM scheduler_ticks WHERE scheduled_at = %s"
             " GROUP BY status, instance",
-            (later,),
+            (tick,),
         ).fetchall()
-    assert counts == [("succeeded", "h0", 64)]
