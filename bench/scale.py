@@ -42,6 +42,13 @@ from fleet import BENCH, Fleet, Server, now_iso, process_cpu, verify, whole_tick
 from tests.clusters import Cluster
 
 SECTION = "## At scale"
+
+
+def section(jobs: int) -> str:
+    """The section of bench/RESULTS.md for a run of `jobs` jobs: one per size measured."""
+    return SECTION if jobs == 100 else f"{SECTION}: {jobs:,} jobs"
+
+
 KILL_EVERY = 5.0  # seconds between kills in the second run
 # Seconds for every replica's lock session to come up. On 2 cores, 100 replicas of 1,000
 # jobs start one after another: each imports its jobs, and registers them under the
@@ -241,7 +248,7 @@ def render(found: dict[str, Any]) -> str:
         else f"(commit {found.get('commit', '?')})"
     )
     lines = [
-        SECTION,
+        section(found["jobs"]),
         "",
         f"{found['replicas']} replicas, each with the same {found['jobs']} jobs every second (1 ms",
         "each), on a PostgreSQL cluster of their own; measured by `.venv/bin/python",
@@ -289,11 +296,11 @@ def main() -> int:
     results = scale(args.base, args.replicas, args.jobs, args.window, args.up_within)
     path = BENCH / "results.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
-    stored["scale"] = results
+    stored["scale" if args.jobs == 100 else f"scale_{args.jobs}"] = results
     path.write_text(json.dumps(stored, indent=2, default=str))
     md = BENCH / "RESULTS.md"
     text = md.read_text() if md.exists() else ""
-    md.write_text(replace_section(text, render(results), SECTION))
+    md.write_text(replace_section(text, render(results), section(args.jobs)))
     print(render(results))
     return 0
 
