@@ -488,13 +488,8 @@ class PostgresBackend:
         a large burst most are not, and the probe would be a round trip for nothing."""
         if not helping:
             return requests, []
-        params = {
-            "keys": pg_numbers([r.key for r in helping]),
-            "ticks": pg_times([r.scheduled_at for r in helping]),
-        }
-        with self._session() as conn:
-            places = conn.execute(QUERIES["taken"], params).scalar_one()
-        taken = [helping[place - 1] for place in places]
+        places = self._taken([(r.key, r.scheduled_at) for r in helping], with_fleet=False)
+        taken = [helping[place - 1] for place in sorted(places)]
         if not taken:
             return requests, []
         found = {(r.key, r.scheduled_at) for r in taken}
@@ -508,22 +503,26 @@ class PostgresBackend:
         ledger's key for each, and the fleet's shape read beside it when due."""
         if not ticks:
             return []
+        shape = self._shape
+        ask = shape is None or self.monotonic() - shape.read_at >= shares.SHAPE_EVERY
+        taken = self._taken(ticks, with_fleet=ask)
+        return [place - 1 for place in range(1, len(ticks) + 1) if place not in taken]
+
+    def _taken(self, ticks: Sequence[tuple[int, datetime]], with_fleet: bool) -> set[int]:
+        """The places (1-based) of the (job key, tick) some replica has recorded: one probe
+        of the ledger's key each; with `with_fleet`, the fleet's shape is read beside."""
         params = {
             "ns": self.namespace,
             "keys": pg_numbers([key for key, _ in ticks]),
             "ticks": pg_times([tick for _, tick in ticks]),
         }
         sent_at = self.monotonic()
-        shape = self._shape
-        ask = shape is None or sent_at - shape.read_at >= shares.SHAPE_EVERY
         with self._session() as conn:
-            if ask:
-                places, live, rank, db_now = conn.execute(QUERIES["taken_and_fleet"], params).one()
-                self._shape = shares.Shape(live, rank, db_now, sent_at)
-            else:
-                places = conn.execute(QUERIES["taken"], params).scalar_one()
-        taken = set(places)
-        return [place - 1 for place in range(1, len(ticks) + 1) if place not in taken]
+            if not with_fleet:
+                return set(conn.execute(QUERIES["taken"], params).scalar_one())
+            places, live, rank, db_now = conn.execute(QUERIES["taken_and_fleet"], params).one()
+        self._shape = shares.Shape(live, rank, db_now, sent_at)
+        return set(places)
 
     @staticmethod
     def _lost_among(answer: ClaimAnswer, helping: list[ClaimRequest]) -> int:

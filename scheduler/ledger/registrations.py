@@ -37,14 +37,16 @@ def take_turns(conn: Connection) -> None:
 
 
 def registrations_of(conn: Connection, keys: list[int] | None = None) -> list[Registration]:
-    query = select(registrations)
-    if keys is not None:
-        query = query.where(registrations.c.job_key.in_(keys))
+    return _rows(conn, *([] if keys is None else [registrations.c.job_key.in_(keys)]))
+
+
+def _rows(conn: Connection, *where: Any) -> list[Registration]:
+    """The rows `where` selects, by job, replica and start."""
+    c = registrations.c
+    query = select(registrations).where(*where).order_by(c.job_key, c.instance, c.since)
     return [
         Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
-        for r in conn.execute(
-            query.order_by(registrations.c.job_key, registrations.c.instance, registrations.c.since)
-        )
+        for r in conn.execute(query)
     ]
 
 
@@ -86,13 +88,7 @@ def _open_rows(conn: Connection, where: Any) -> list[Registration]:
     """Schedules in force (open rows) that `where` selects: a fleet of 100 replicas with
     1,000 jobs each has 100,000 rows, and each replica that starts reads only its own and
     those of replicas gone, under the writers' table lock."""
-    query = select(registrations).where(registrations.c.until.is_(None), where)
-    return [
-        Registration(r.instance, r.job_key, r.job_name, r.schedule, r.since, r.until)
-        for r in conn.execute(
-            query.order_by(registrations.c.job_key, registrations.c.instance, registrations.c.since)
-        )
-    ]
+    return _rows(conn, registrations.c.until.is_(None), where)
 
 
 def names_in_force(conn: Connection, instances: set[str]) -> list[tuple[int, str, str]]:
