@@ -7,6 +7,7 @@ evidence lines (which ticks ran, where, when), the server's statistics and log
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import re
@@ -270,6 +271,15 @@ def process_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def precompile(folders: list[Path]) -> None:
+    """Byte-compile the replicas' code once, as installing a package or building an
+    image does: with PYTHONDONTWRITEBYTECODE set (as in many containers, and on the
+    machines these benchmarks run on) every replica would otherwise compile the
+    scheduler and the jobs module again as it starts, on either side of a comparison."""
+    for folder in folders:
+        compileall.compile_dir(folder, quiet=1)
+
+
 @dataclass
 class Replica:
     name: str
@@ -308,6 +318,7 @@ class Fleet:
                 lines.append(f"  job_{i}: {{interval: {every}{start}}}")
             (self.root / "jobs" / "bench_jobs.py").write_text("\n".join(code))
             (self.root / "config.yaml").write_text("\n".join(lines) + "\n")
+            precompile([self.root / "jobs", (self.tree or ROOT) / "scheduler"])
 
     @property
     def url(self) -> str:

@@ -126,3 +126,38 @@ def test_a_library_never_imports_a_job_module_named_like_its_own(tmp_path):
     assert "named_like_a_library (key 9)" in result.stdout, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert not marker.exists(), "psycopg imported the job module psycopg_c.py"
+
+
+WHERE_JOBS = """
+import functools
+
+from scheduler import job
+
+
+def logged(func):
+    @functools.wraps(func)
+    def wrapper(ctx):
+        return func(ctx)
+
+    return wrapper
+
+
+@job(key=300)
+@logged
+def wrapped(ctx):
+    pass
+
+
+job(key=301, name="partial")(functools.partial(print, "x"))
+"""
+
+
+def test_a_job_is_placed_at_its_definition_however_decorated(tmp_path, monkeypatch):
+    """The source a message names is the line the definition starts on (its first
+    decorator), read off the code object for a plain or wrapped function, and by
+    inspect for a callable with none."""
+    monkeypatch.chdir(tmp_path)
+    specs = discover(jobs_folder(tmp_path, {"placed.py": WHERE_JOBS})).jobs
+    lines = WHERE_JOBS.splitlines()
+    assert specs["wrapped"].source == f"jobs/placed.py:{lines.index('@job(key=300)') + 1}"
+    assert specs["partial"].source == "functools"
