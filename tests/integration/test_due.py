@@ -221,3 +221,26 @@ def test_replicas_starting_together_with_one_schedule_each_keep_it_registered(ba
         keeper.run_once()
     shown = fleet_status(replicas[0], Catalog((job,)), datetime.now(UTC))["jobs"][0]["schedules"]
     assert [v["instances"] for v in shown] == [["p1", "p2", "p3"]]
+
+
+def test_a_replica_gets_back_many_schedules_at_once_some_reopened_some_new(backend):
+    """The rows a pass puts back, in two statements: its newest row reopened where the
+    schedule is the same, and a row from now where it is gone; jobs in force untouched."""
+    now = datetime.now(UTC).replace(microsecond=0)
+    keys = range(2000, 2300)
+    five, seven = schedule_text(every(5)), schedule_text(every(7))
+    with backend.ledger_engine.begin() as conn:
+        registrations.register(conn, "r1", [(k, f"j{k}", five) for k in keys], set(), now)
+        c = tables.registrations.c
+        ended = now + timedelta(seconds=1)
+        conn.execute(tables.registrations.update().where(c.job_key < 2100).values(until=ended))
+        conn.execute(tables.registrations.delete().where(c.job_key >= 2200))
+        wanted = [(k, f"j{k}", five if k < 2100 else seven) for k in keys]
+        assert reassert(conn, "r1", wanted, now + timedelta(seconds=2)) == 200
+        assert reassert(conn, "r1", wanted, now + timedelta(seconds=3)) == 0
+        found = registrations_of(conn, list(keys))
+    assert {(r.key, r.schedule, r.until) for r in found} == {
+        (k, five if k < 2200 else seven, None) for k in keys
+    }
+    assert {r.since for r in found if r.key < 2200} == {now}
+    assert {r.since for r in found if r.key >= 2200} == {now + timedelta(seconds=2)}

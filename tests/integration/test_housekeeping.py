@@ -496,3 +496,63 @@ def test_a_starting_replica_reads_one_row_per_job_and_name_of_the_live_ones(back
         register(conn, "a", [(*entries[0][:2], "every 2s"), *entries[1:]], {"b", "c"}, now)
         found = names_in_force(conn, {"a", "b"})
     assert sorted(found) == [(key, f"job{key}", "a") for key in range(700, 710)]
+
+
+def test_a_pass_never_waits_on_another_replicas_election(database_url):
+    """While one replica holds the sweep's row (elected, its pass not yet committed), the
+    others' passes lose the election at once instead of queueing behind it, and the one
+    that commits first after it finds the chore done."""
+    from sqlalchemy import text
+
+    from scheduler.ledger.election import Chore, elect
+
+    backends = [
+        PostgresBackend(database_url, instance=f"e{i}", namespace=NAMESPACE, holder_timeout=30)
+        for i in (1, 2)
+    ]
+    for backend in backends:
+        backend.migrate()
+    winner, other = (b.ledger_engine.connect() for b in backends)
+    try:
+        with winner.begin():
+            assert elect(winner, Chore.SWEEP, backends[0].now_expression(), 30) is not None
+            with other.begin():
+                other.execute(text("SET LOCAL lock_timeout = '2s'"))  # waiting fails the test
+                assert elect(other, Chore.SWEEP, backends[1].now_expression(), 30) is None
+        with other.begin():  # after the winner's commit: done, not due again
+            assert elect(other, Chore.SWEEP, backends[1].now_expression(), 30) is None
+    finally:
+        winner.close()
+        other.close()
+        for backend in backends:
+            backend.ledger_engine.dispose()
+
+
+def test_a_pass_that_finds_its_schedules_in_force_takes_no_table_lock(database_url):
+    """Reasserting is every replica's work every pass: while a writer of registrations
+    (a replica starting) holds their table, a replica whose rows are all in force goes on;
+    one with a row to put back waits its turn."""
+    from sqlalchemy import text
+
+    from scheduler.ledger.registrations import reassert, take_turns
+
+    backend = PostgresBackend(database_url, instance="r", namespace=NAMESPACE, holder_timeout=30)
+    backend.migrate()
+    now = datetime.now(UTC)
+    mine = [(k, f"j{k}", "every 5s") for k in (701, 702)]
+    with backend.ledger_engine.begin() as conn:
+        register(conn, "r", mine, set(), now)
+    writer, reader = backend.ledger_engine.connect(), backend.ledger_engine.connect()
+    try:
+        with writer.begin():
+            take_turns(writer)
+            with reader.begin():
+                reader.execute(text("SET LOCAL lock_timeout = '2s'"))
+                assert reassert(reader, "r", mine, now) == 0
+            with reader.begin(), pytest.raises(Exception, match="lock timeout"):
+                reader.execute(text("SET LOCAL lock_timeout = '200ms'"))
+                reassert(reader, "r", [*mine, (703, "j703", "every 5s")], now)
+    finally:
+        writer.close()
+        reader.close()
+        backend.ledger_engine.dispose()
