@@ -50,6 +50,7 @@ from scheduler.ledger.registrations import (
     mark_seen,
     names_in_force,
     reassert,
+    recently_seen,
     register,
     registrations_of,
     seen_at,
@@ -69,6 +70,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("scheduler.housekeeping")
 
 SWEEP_EVERY = 30.0  # seconds between sweeps, fleet-wide
+# A replica seen alive this recently (each pass marks it, and its registration) is not
+# gone, live or not: it may be starting, its lock session not up yet.
+SEEN_RECENTLY = 2 * SWEEP_EVERY
 PRUNE_EVERY = 3600.0
 MISSED_LIMIT = 100  # missed rows recorded per job per sweep, at most
 MISSED_MARGIN = timedelta(seconds=5)  # beyond the grace: no claim can still be in flight
@@ -95,6 +99,19 @@ class _Found:
 class NameInUse(ConfigError):
     """A live session uses this replica's instance name: a second replica of that name, or
     this one's earlier session, still ending after a quick restart (the daemon waits)."""
+
+
+def not_gone(conn: Connection, live: set[str], now: datetime) -> set[str]:
+    """The live replicas and those seen alive lately: whose registrations no replica
+    takes over or ends.
+
+    One seen lately may be starting (registered, its lock session not up yet). With 100
+    replicas of 1,000 jobs starting together, each starter took over the rows of every
+    one not yet up, and each of those put its 1,000 back at its first pass, all under the
+    writers' table lock. A replica that is gone indeed keeps its schedules in force a
+    minute longer: the fleet did run them until then.
+    """
+    return live | recently_seen(conn, now - timedelta(seconds=SEEN_RECENTLY))
 
 
 class Housekeeping:
@@ -164,6 +181,8 @@ class Housekeeping:
     ) -> None:
         me = self.settings.instance_name
         self._refuse_clashes(catalog, names_in_force(conn, others))
+        mark_seen(conn, me, now)
+        others = not_gone(conn, others, now) - {me}
         register(conn, me, entries(catalog), others, now)
         supersede(conn, {*others, me}, now)
 
@@ -268,7 +287,7 @@ class Housekeeping:
         crashed = self.sweep_crashed(conn, sweep.at, live | {me})
         done["crashed"] = len(crashed)
         reassert(conn, me, entries(self.catalog), now)
-        supersede(conn, live, sweep.at)
+        supersede(conn, not_gone(conn, live, sweep.at), sweep.at)
         registered = registrations_of(conn)
         raised = self.count_crashes(conn, crashed)
         drifting = self.sweep_drift(conn, states, registered, live, sweep.at)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
 from scheduler.config.settings import JobConfig, Settings
-from scheduler.fleet.housekeeping import Housekeeping
+from scheduler.fleet.housekeeping import SEEN_RECENTLY, Housekeeping
 from scheduler.fleet.status import fleet_status, schedule_checks
 from scheduler.ledger import tables
 from scheduler.ledger.job_states import job_states
@@ -103,13 +103,33 @@ def test_a_disagreement_within_the_grace_is_not_told(backends):
 
 
 def test_replicas_starting_together_each_keep_their_schedule_in_force(backends):
-    """The second registers while the first is not live yet and supersedes its schedule;
-    the first's next housekeeping pass (one second after its start) puts it back."""
+    """The second registers while the first is not live yet: the first, seen alive at its
+    registration, is starting, not gone, and its schedule stays in force."""
     job = make_job(KEY, lambda ctx: None, name="sync")
     a, b = backends("a", connect=False), backends("b", connect=False)
     first, second = keeper_of(a, Catalog((job,))), keeper_of(b, Catalog((every(job, "2s"),)))
     first.track_jobs()
-    second.track_jobs()  # `a` is not live yet: its schedule looks like a gone replica's
+    second.track_jobs()
+    a.connect()
+    b.connect()
+    shown = fleet_status(a, Catalog((job,)), datetime.now(UTC))["jobs"][0]["schedules"]
+    assert [v["instances"] for v in shown] == [["a"], ["b"]]
+    with a.ledger_engine.connect() as conn:
+        assert {r.instance for r in registrations_of(conn) if r.until is None} == {"a", "b"}
+
+
+def test_a_replica_taken_for_gone_while_it_started_gets_its_schedule_back(backends):
+    """The second registers while the first is not live and not seen for a while (a start
+    slower than `SEEN_RECENTLY`) and supersedes its schedule; the first's next
+    housekeeping pass (one second after its start) puts it back."""
+    job = make_job(KEY, lambda ctx: None, name="sync")
+    a, b = backends("a", connect=False), backends("b", connect=False)
+    first, second = keeper_of(a, Catalog((job,))), keeper_of(b, Catalog((every(job, "2s"),)))
+    first.track_jobs()
+    with a.ledger_engine.begin() as conn:
+        long_ago = datetime.now(UTC) - timedelta(seconds=SEEN_RECENTLY + 60)
+        conn.execute(tables.seen.update().values(seen_at=long_ago))
+    second.track_jobs()  # `a` is not live, nor seen lately: it looks like a gone replica
     a.connect()
     b.connect()
     shown = fleet_status(a, Catalog((job,)), datetime.now(UTC))["jobs"][0]["schedules"]
@@ -117,3 +137,20 @@ def test_replicas_starting_together_each_keep_their_schedule_in_force(backends):
     first.run_once()
     shown = fleet_status(a, Catalog((job,)), datetime.now(UTC))["jobs"][0]["schedules"]
     assert [v["instances"] for v in shown] == [["a"], ["b"]]
+
+
+def test_a_replica_starting_keeps_its_rows_when_another_starts_with_the_same_schedule(backends):
+    """Not taken over as a gone replica's: it would put them all back at its first pass,
+    and every replica starting after it would take them again (100 replicas of 1,000
+    jobs starting together did that, under the writers' table lock)."""
+    job = make_job(KEY, lambda ctx: None, name="sync")
+    a, b = backends("a", connect=False), backends("b", connect=False)
+    first, second = keeper_of(a, Catalog((job,))), keeper_of(b, Catalog((job,)))
+    first.track_jobs()
+    with a.ledger_engine.connect() as conn:
+        (mine,) = registrations_of(conn)
+    second.track_jobs()
+    with a.ledger_engine.connect() as conn:
+        found = {r.instance: r for r in registrations_of(conn)}
+    assert found["a"] == mine
+    assert found["b"].until is None and found["b"].since >= mine.since
