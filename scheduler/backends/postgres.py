@@ -511,10 +511,13 @@ class PostgresBackend:
     def _taken(self, ticks: Sequence[tuple[int, datetime]], with_fleet: bool) -> set[int]:
         """The places (1-based) of the (job key, tick) some replica has recorded: one probe
         of the ledger's key each; with `with_fleet`, the fleet's shape is read beside."""
+        instants: dict[datetime, int] = {}  # each distinct tick -> its place, 1-based
+        at = [instants.setdefault(tick, len(instants) + 1) for _, tick in ticks]
         params = {
             "ns": self.namespace,
             "keys": pg_numbers([key for key, _ in ticks]),
-            "ticks": pg_times([tick for _, tick in ticks]),
+            "at": pg_numbers(at),
+            "instants": pg_times(instants),
         }
         sent_at = self.monotonic()
         with self._session() as conn:

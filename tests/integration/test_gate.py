@@ -250,3 +250,19 @@ def rows_of(gate, tick) -> list[tuple[str, str, int]]:
             " GROUP BY status, instance",
             (tick,),
         ).fetchall()
+
+
+def test_a_probe_answers_each_tick_of_several_instants_by_its_own_row(gate_factory):
+    """The probe sends each distinct instant once and each tick as its place among them:
+    a tick is taken only where its own (job, instant) row is, whatever other rows its
+    job or its instant has."""
+    gate, _, _ = gate_factory("p1")
+    gate.step()
+    first, second = now_tick(-5), now_tick(-4)
+    gate.submit_all([make_job(key, lambda ctx: None, name=f"p{key}") for key in (701, 702)], first)
+    gate.submit_all([make_job(703, lambda ctx: None, name="p703")], second)
+    settle(gate, lambda: len(rows_of(gate, first)) + len(rows_of(gate, second)) == 2, "rows")
+    settle(gate, lambda: gate.table.free_slots() == 4, "the runs to end")
+    asked = [(701, second), (701, first), (703, first), (703, second), (702, first), (704, first)]
+    assert gate.backend.untaken(asked) == [0, 2, 5]
+    assert gate.backend.untaken([]) == []
