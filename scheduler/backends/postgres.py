@@ -503,8 +503,7 @@ class PostgresBackend:
         ledger's key for each, and the fleet's shape read beside it when due."""
         if not ticks:
             return []
-        shape = self._shape
-        ask = shape is None or self.monotonic() - shape.read_at >= shares.SHAPE_EVERY
+        ask = shares.shape_due(self._shape, self.monotonic())
         taken = self._taken(ticks, with_fleet=ask)
         return [place - 1 for place in range(1, len(ticks) + 1) if place not in taken]
 
@@ -550,8 +549,7 @@ class PostgresBackend:
             "thresholds": pg_numbers([r.skip_threshold for r in requests]),
             "fail_thresholds": pg_numbers([r.fail_threshold for r in requests]),
         }
-        shape = self._shape
-        ask = shape is None or sent_at - shape.read_at >= shares.SHAPE_EVERY
+        ask = shares.shape_due(self._shape, sent_at)
         with self._session() as conn:
             result = conn.execute(QUERIES["claim_and_fleet" if ask else "claim"], params)
             decision, fleet = _decision(result, with_fleet=ask)

@@ -28,6 +28,10 @@ from scheduler.backends.base import ClaimRequest, Intent
 HASH = 2654435761  # Knuth's multiplicative hash, as scheduler_share
 SHARE_FROM = 32  # bursts of fewer ticks are not spread over the live replicas
 SHAPE_EVERY = 1.0  # seconds: the fleet's shape is asked for again at most this often
+# Reads of the shape a second, the whole fleet's, that a large fleet keeps to: each reads
+# pg_locks, every session's locks, and 100 replicas reading it every second spent more of
+# the server than their claims did.
+FLEET_SHAPE_READS = 20.0
 
 
 def share_of(key: int, live: int) -> int:
@@ -49,6 +53,20 @@ class Shape:
     def db_clock(self, monotonic_now: float) -> datetime:
         """The database's clock now, estimated: never behind what the server said."""
         return self.db_now + timedelta(seconds=max(0.0, monotonic_now - self.read_at))
+
+
+def shape_due(shape: Shape | None, monotonic_now: float) -> bool:
+    """Whether to read the fleet's shape beside the next claim or probe: every
+    `SHAPE_EVERY`, and in a fleet of more than `FLEET_SHAPE_READS` replicas, less often,
+    so that all of them together read it that many times a second.
+
+    A staler shape costs no tick: a share whose owner is gone is helped with after
+    `HELP_AFTER` (scheduler/gate/others.py), and the server decides every tick sent.
+    """
+    if shape is None:
+        return True
+    every = max(SHAPE_EVERY, shape.live / FLEET_SHAPE_READS)
+    return monotonic_now - shape.read_at >= every
 
 
 def leave_out(

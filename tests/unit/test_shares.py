@@ -6,7 +6,15 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from scheduler.backends.base import ClaimRequest, Intent
-from scheduler.backends.shares import Shape, helping, leave_out, share_of
+from scheduler.backends.shares import (
+    FLEET_SHAPE_READS,
+    SHAPE_EVERY,
+    Shape,
+    helping,
+    leave_out,
+    shape_due,
+    share_of,
+)
 
 NOW = datetime(2026, 12, 5, 12, 0, 0, tzinfo=UTC)
 SHARE_FROM, TAKEOVER = 32, 0.1
@@ -81,3 +89,17 @@ def test_a_claim_helps_with_the_run_ticks_of_other_shares_only():
     helped = {r.key for r in helping(requests, shape(rank=2))}
     assert helped == {k for k in range(1, 101) if share_of(k, 3) != 2}
     assert helping(requests, None) == [] and helping(requests, shape(live=1, rank=0)) == []
+
+
+def test_the_fleet_reads_its_shape_a_bounded_number_of_times_a_second():
+    """Every SHAPE_EVERY in a small fleet; in a large one each replica waits longer, so
+    that the fleet's reads (each over pg_locks) stay about FLEET_SHAPE_READS a second."""
+    assert shape_due(None, 0.0)
+    small = shape(live=3, read_at=100.0)
+    assert not shape_due(small, 100.0 + SHAPE_EVERY - 0.01)
+    assert shape_due(small, 100.0 + SHAPE_EVERY)
+    large = shape(live=100, read_at=100.0)
+    every = 100 / FLEET_SHAPE_READS
+    assert every > SHAPE_EVERY
+    assert not shape_due(large, 100.0 + every - 0.01)
+    assert shape_due(large, 100.0 + every)

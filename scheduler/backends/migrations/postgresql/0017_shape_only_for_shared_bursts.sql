@@ -1,0 +1,2 @@
+-- Functions only: scheduler_decide reads the fleet's shape (scheduler_fleet, over
+-- pg_locks) only for a batch of `share_from` ticks or more, the ones it shares out.

@@ -1,0 +1,1 @@
+-- Nothing changes here: the embedded backend shares nothing out (0017 on PostgreSQL).
