@@ -72,6 +72,26 @@ RETURNS integer LANGUAGE sql IMMUTABLE AS $$
     SELECT mod(mod(p_key::bigint * 2654435761, 4294967296), greatest(p_live, 1))::integer
 $$;
 
+-- Which of these ticks some replica has recorded: their places, 1-based. Each tick is its
+-- job's key and its place among a few instants (a burst's ticks share one). Every replica
+-- probes the other replicas' shares of each burst (scheduler/gate/others.py): at 100
+-- replicas of 1,000 jobs, a lookup of the primary key per tick was most of the server's
+-- work. The rows of those instants are read instead in one pass of their index and matched
+-- by hash, less than half the work. The planner guesses a handful of ticks: a nested loop
+-- would probe the key per tick again, and a merge join on the one instant would pair
+-- every tick with every row.
+CREATE FUNCTION scheduler_taken(p_keys integer[], p_at integer[], p_instants timestamptz[])
+RETURNS integer[] LANGUAGE sql STABLE
+SET enable_nestloop = off
+SET enable_mergejoin = off
+SET jit = off
+AS $$
+    SELECT coalesce(array_agg(q.place ORDER BY q.place), '{}')
+      FROM unnest(p_keys, p_at) WITH ORDINALITY AS q(key, at, place)
+      JOIN scheduler_ticks t ON t.job_key = q.key AND t.scheduled_at = p_instants[q.at]
+     WHERE t.scheduled_at = ANY (p_instants)
+$$;
+
 -- A tick on its way through a claim; `fate` is what the claim has decided for it so far.
 CREATE TYPE scheduler_tick AS (
     key          integer,

@@ -21,26 +21,17 @@ SELECT d.*, f.live, f.rank, now() AS db_now
 
 -- name: taken
 -- Which of these ticks a replica has recorded already (a claim answers each `lost`): their
--- places in the arrays sent, 1-based. A probe of the primary key per tick. Each tick is
--- sent as its place in `instants` (a burst's ticks share a few): every replica probes
--- every second, and parsing a timestamp per tick cost the server more than the probe.
-SELECT coalesce(array_agg(q.place ORDER BY q.place), '{}') AS places
-  FROM unnest(CAST(:keys AS integer[]), CAST(:at AS integer[])) WITH ORDINALITY
-       AS q(key, at, place)
- WHERE EXISTS (SELECT 1 FROM scheduler_ticks t
-                WHERE t.job_key = q.key
-                  AND t.scheduled_at = (CAST(:instants AS timestamptz[]))[q.at])
+-- places in the arrays sent, 1-based (scheduler_taken). Each tick is sent as its place in
+-- `instants` (a burst's ticks share a few): every replica probes every second, and
+-- parsing a timestamp per tick cost the server more than the probe.
+SELECT scheduler_taken(CAST(:keys AS integer[]), CAST(:at AS integer[]),
+                       CAST(:instants AS timestamptz[])) AS places
 
 -- name: taken_and_fleet
 -- As `taken`, with the fleet's shape beside it (see `claim_and_fleet`): a replica whose
 -- share of the bursts is small claims seldom, and learns of a changed fleet here.
-SELECT coalesce((SELECT array_agg(q.place ORDER BY q.place)
-                   FROM unnest(CAST(:keys AS integer[]), CAST(:at AS integer[]))
-                        WITH ORDINALITY AS q(key, at, place)
-                  WHERE EXISTS (SELECT 1 FROM scheduler_ticks t
-                                 WHERE t.job_key = q.key
-                                   AND t.scheduled_at = (CAST(:instants AS timestamptz[]))[q.at])),
-                '{}') AS places,
+SELECT scheduler_taken(CAST(:keys AS integer[]), CAST(:at AS integer[]),
+                       CAST(:instants AS timestamptz[])) AS places,
        f.live, f.rank, now() AS db_now
   FROM scheduler_fleet(:ns) f
 

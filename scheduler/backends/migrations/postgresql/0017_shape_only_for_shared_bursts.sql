@@ -1,2 +1,3 @@
 -- Functions only: scheduler_decide reads the fleet's shape (scheduler_fleet, over
--- pg_locks) only for a batch of `share_from` ticks or more, the ones it shares out.
+-- pg_locks) only for a batch of `share_from` ticks or more, the ones it shares out; and
+-- scheduler_taken answers a probe of recorded ticks from one pass of the instants' index.
