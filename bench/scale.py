@@ -17,7 +17,8 @@ evidence line may be missing; the ledger's rows say which).
 
 With `--base TREE`, each run is made on TREE's `scheduler` first, then on this
 checkout's. Writes the section "At scale" of bench/RESULTS.md and `scale` in
-bench/results.json.
+bench/results.json for 100 jobs, and for more a section and an entry of their own per
+number of jobs and replicas ("At scale: 100 replicas of 1,000 jobs", `scale_1000_100`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ from tests.clusters import Cluster
 SECTION = "## At scale"
 
 
-def section(jobs: int) -> str:
-    """The section of bench/RESULTS.md for a run of `jobs` jobs: one per size measured."""
-    return SECTION if jobs == 100 else f"{SECTION}: {jobs:,} jobs"
+def section(jobs: int, replicas: int) -> str:
+    """The section of bench/RESULTS.md for a run of this size: one per size measured."""
+    return SECTION if jobs == 100 else f"{SECTION}: {replicas} replicas of {jobs:,} jobs"
+
+
+def key(jobs: int, replicas: int) -> str:
+    """Its entry in bench/results.json."""
+    return "scale" if jobs == 100 else f"scale_{jobs}_{replicas}"
 
 
 KILL_EVERY = 5.0  # seconds between kills in the second run
@@ -248,7 +254,7 @@ def render(found: dict[str, Any]) -> str:
         else f"(commit {found.get('commit', '?')})"
     )
     lines = [
-        section(found["jobs"]),
+        section(found["jobs"], found["replicas"]),
         "",
         f"{found['replicas']} replicas, each with the same {found['jobs']} jobs every second (1 ms",
         "each), on a PostgreSQL cluster of their own; measured by `.venv/bin/python",
@@ -296,11 +302,11 @@ def main() -> int:
     results = scale(args.base, args.replicas, args.jobs, args.window, args.up_within)
     path = BENCH / "results.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
-    stored["scale" if args.jobs == 100 else f"scale_{args.jobs}"] = results
+    stored[key(args.jobs, args.replicas)] = results
     path.write_text(json.dumps(stored, indent=2, default=str))
     md = BENCH / "RESULTS.md"
     text = md.read_text() if md.exists() else ""
-    md.write_text(replace_section(text, render(results), section(args.jobs)))
+    md.write_text(replace_section(text, render(results), section(args.jobs, args.replicas)))
     print(render(results))
     return 0
 
