@@ -629,16 +629,16 @@ DECLARE
     v_ticks scheduler_tick[];
     v_left scheduler_tick[];
 BEGIN
-    -- The fleet's shape only for a batch the server shares out: reading it (pg_locks, every
-    -- session's locks) took 100 replicas' claims more than the rest of their work.
+    -- The fleet's shape only for a batch the server shares out (a smaller one is
+    -- everyone's, as in a fleet of one): reading it (pg_locks, every session's locks)
+    -- took 100 replicas' claims more than the rest of their work.
     IF cardinality(p_keys) >= p_share_from THEN
         SELECT * INTO v_fleet FROM scheduler_fleet(p_namespace);
     ELSE
         SELECT 1 AS live, 0 AS rank INTO v_fleet;
     END IF;
     v_ticks := ARRAY(SELECT c FROM scheduler_choose(
-        p_capacity, p_takeover,
-        CASE WHEN cardinality(p_keys) < p_share_from THEN 1 ELSE v_fleet.live END, v_fleet.rank,
+        p_capacity, p_takeover, v_fleet.live, v_fleet.rank,
         p_keys, p_names, p_ticks, p_intents, p_graces, p_thresholds, p_fail_thresholds) c);
     -- Lost, yielded and deferred ticks are answers already: the steps below take only the
     -- rest, so that a claim of a few runs out of a large burst costs a few runs.

@@ -33,20 +33,18 @@ def elect(conn: Connection, task: Chore, now: Any, every: float) -> Election | N
     replica). Returns the election if this replica won, else None.
     Call inside a transaction: a concurrent loser's update finds the row moved.
 
-    A pass never waits on another's election: one not yet due is lost on a plain read,
-    and one that another replica is electing right now (it holds the row until its
+    A pass never waits on another's election: a chore not yet due selects no row, and
+    one that another replica is electing right now (it holds the row until its
     transaction ends) is lost too, its row skipped (PostgreSQL's SKIP LOCKED). Every
     replica's pass (100 of them, every 30 s) otherwise queued behind the winner's
     sweep, holding what it had taken before.
     """
     where = maintenance.c.task == task
     due = maintenance.c.last_run_at <= now - timedelta(seconds=every)
-    if not conn.execute(select(due).where(where)).scalar_one():
-        return None
     previous = conn.execute(
         select(maintenance.c.last_run_at).where(where, due).with_for_update(skip_locked=True)
     ).scalar_one_or_none()
-    if previous is None:  # being elected by another, or done since the read
+    if previous is None:  # not due, or being elected by another
         return None
     row = conn.execute(
         update(maintenance)
