@@ -11,10 +11,12 @@ Here, on a schedule of as many jobs as the server shares a burst out from
 (`Shape.share_from`), they wait as one record per fired tick. Once `HELP_AFTER` has
 passed (the server's takeover, and a margin), one probe of the ledger for every
 record due names the ticks no replica has recorded, and only those join the queue,
-as other replicas' ticks to help with (`TickQueue.help`). A shape gone stale costs
-no tick: a tick its owner did not take (gone, frozen, or seeing another fleet) is
-found by that probe on every replica that holds it, as other replicas' ticks were
-found before by the claims that offered them.
+as other replicas' ticks to help with (`TickQueue.help`). Probing has a budget
+(`PROBES_PER_TICK`) and waits longer in a replica that runs behind (`patience`), so
+that a fleet short of CPU spends it running ticks, not looking at them. A shape gone
+stale costs no tick: a tick its owner did not take (gone, frozen, or seeing another
+fleet) is found by that probe on every replica that holds it, as other replicas'
+ticks were found before by the claims that offered them.
 """
 
 from __future__ import annotations
@@ -29,12 +31,26 @@ from scheduler.registry.catalog import CatalogJob
 # Seconds from a tick's firing here until its record is probed: the server's takeover
 # (postgres.TAKEOVER_S), after which anyone may take it, and as much again.
 HELP_AFTER = 0.2
+# A replica behind on its own share waits as much longer before it probes: its owners are
+# likely as late (the same machine, the same database), and a tick they take late is not
+# a tick to help with. Probing and helping at HELP_AFTER whatever the lag made a fleet
+# short of CPU spend it on ticks their owners were about to take, and never catch up
+# (40 replicas of 1,000 jobs on 2 cores: 66 runs a second of 1,000). At most this much:
+# a frozen owner's ticks are still found well inside a grace of a few seconds.
+LAG_MAX = 5.0
 SPLITS_KEPT = 64  # schedules x shapes whose split is remembered (a reload starts afresh)
 # Records held at most, oldest dropped first: while the lock session is down nothing is
 # probed, and a tick dropped here is still its owner's (which keeps its own queued), or
 # the sweep's to record missed. Ticks probed in one round trip at most.
 HELD_MAX = 1000
 PROBE_MAX = 10_000
+# Ticks probed, at most, per tick held as it fired: each is probed once, and those found
+# untaken and left to other helpers once more on average. A backlog of held ticks (the
+# fleet behind, or the session back after a cut) drains at that rate, never at the rate a
+# step can probe: probing it all at once, every step, took a fleet short of CPU from
+# behind to never catching up, its replicas and server busy looking at ticks, not running
+# them. A full budget at most (PROBE_MAX), and at start.
+PROBES_PER_TICK = 2
 # Of the ticks a probe finds untaken, each replica helps with this many times its part
 # (the untaken over the other live replicas) at once, the first in its own order; the
 # rest are held again, to be probed once more. Owners left ticks untaken because they
@@ -65,6 +81,7 @@ class Others:
 
     def __init__(self) -> None:
         self._held: list[Unowned] = []
+        self._budget = float(PROBE_MAX)  # ticks that may be probed now (PROBES_PER_TICK)
         # (schedule's jobs, live, rank) -> the jobs again (held: its id is never reused
         # while cached), its own, and other replicas'
         self._splits: dict[tuple[int, int, int], _Split] = {}
@@ -89,18 +106,27 @@ class Others:
         return found.own, found.theirs
 
     def hold(self, jobs: Sequence[CatalogJob], tick: datetime, now: float) -> None:
+        """Other replicas' ticks as they fire: held, and as many more may be probed."""
+        self._budget = min(PROBE_MAX, self._budget + PROBES_PER_TICK * len(jobs))
+        self._keep(jobs, tick, now)
+
+    def _keep(self, jobs: Sequence[CatalogJob], tick: datetime, now: float) -> None:
         self._held.append(Unowned(jobs, tick, now))
         del self._held[:-HELD_MAX]
 
-    def due(self, now: float) -> list[Unowned]:
-        """The records to probe now, taken out: oldest first, up to `PROBE_MAX` ticks
-        (at least one record; the rest are due at the next step)."""
+    def due(self, now: float, lag: float = 0.0) -> list[Unowned]:
+        """The records to probe now, taken out: oldest first, up to `PROBE_MAX` ticks and
+        the budget left (at least one record while any is left; the rest are due later).
+        `lag`: how far this replica is behind on its own share (see `patience`)."""
         n = ticks = 0
-        while n < len(self._held) and self._held[n].since + HELP_AFTER <= now:
-            ticks += len(self._held[n].jobs)
-            if n and ticks > PROBE_MAX:
+        wait = patience(lag)
+        while self._budget > 0 and n < len(self._held) and self._held[n].since + wait <= now:
+            size = len(self._held[n].jobs)
+            if n and ticks + size > min(PROBE_MAX, self._budget):
                 break
+            ticks += size
             n += 1
+        self._budget -= ticks
         taken, self._held[:n] = self._held[:n], []
         return taken
 
@@ -110,10 +136,14 @@ class Others:
         for job, tick, _ in found:
             by_tick.setdefault(tick, []).append(job)
         for tick, jobs in sorted(by_tick.items()):
-            self.hold(jobs, tick, now)
+            self._keep(jobs, tick, now)
 
-    def next_due(self) -> float | None:
-        return self._held[0].since + HELP_AFTER if self._held else None
+    def next_due(self, lag: float = 0.0) -> float | None:
+        """None with no budget left: the next tick held brings some, and wakes the
+        dispatcher as it comes."""
+        if not self._held or self._budget <= 0:
+            return None
+        return self._held[0].since + patience(lag)
 
     def refresh(self, current: Callable[[int], CatalogJob | None]) -> None:
         """After a reload: the jobs still scheduled here, with their new settings."""
@@ -134,6 +164,12 @@ def _scheduled(
 ) -> list[CatalogJob]:
     found = (current(job.key) for job in jobs)
     return [job for job in found if job is not None and job.scheduled]
+
+
+def patience(lag: float) -> float:
+    """Seconds from a tick's firing here until its record is probed, for a replica `lag`
+    seconds behind on its own share (see LAG_MAX)."""
+    return HELP_AFTER + min(max(lag, 0.0), LAG_MAX)
 
 
 def help_part(untaken: int, shape: Shape | None) -> int:

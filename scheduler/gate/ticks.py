@@ -131,6 +131,9 @@ class TickQueue:
         self._others = Others()  # other replicas' shares, held whole until probed (others.py)
         self._bursts = 0
         self._accepting = True
+        # How late this replica's last fresh tick of its own was offered (seconds after
+        # it fired here), and when: how far behind it runs (others.patience).
+        self._lag, self._lag_at = 0.0, 0.0
 
     def add(self, jobs: Sequence[CatalogJob], tick: datetime, shape: Shape | None = None) -> bool:
         """Queue the same tick of several jobs; True if the dispatcher should wake now.
@@ -203,6 +206,7 @@ class TickQueue:
         `skip`, or waiting behind its run, with no worker free or not. Counting an entry
         `take` passes by would wake the dispatcher at once, again and again.
         """
+        now = self.monotonic()
         with self._mutex:
             if self._bursts:
                 return None
@@ -212,7 +216,7 @@ class TickQueue:
                 if capacity > 0 or running(key) is not Running.NOT
             ]
             left = self._backlog.next_due() if capacity > 0 else None
-            held = self._others.next_due()
+            held = self._others.next_due(self._behind(now))
             return min([d for d in (*due, left, held) if d is not None], default=None)
 
     def take(self, capacity: int, running: Callable[[int], Running]) -> list[Batch]:
@@ -227,6 +231,7 @@ class TickQueue:
         """
         now = self.monotonic()
         healthy, failed = Batch(), []
+        lag: float | None = None
         with self._mutex:
             if self._bursts or not self._accepting:
                 return []
@@ -245,6 +250,8 @@ class TickQueue:
                 if state is Running.NOT:
                     if capacity <= 0:
                         continue  # waits for a free worker; another replica may take it
+                    if entry.not_before == 0.0 and entry.behind is None and not entry.others:
+                        lag = max(lag or 0.0, now - entry.since)  # fresh: as it fired
                     # Every one goes, however few workers are free: most of a burst is
                     # other replicas' share, and the claim wins at most `capacity` runs.
                     rest = entry.split_behind()
@@ -268,7 +275,14 @@ class TickQueue:
                 batch.entries.append(entry)
                 if entry.failures:
                     failed.append(batch)
+            if lag is not None:
+                self._lag, self._lag_at = lag, now
         return ([healthy] if healthy.requests else []) + failed
+
+    def _behind(self, now: float) -> float:
+        """Seconds this replica runs behind on its own share: the lag of its last fresh
+        tick, forgotten as time passes (a lag not measured again is a lag gone)."""
+        return max(0.0, self._lag - (now - self._lag_at))
 
     def put_back(
         self, entries: Sequence[Pending], failed: bool = False, delay: float = 0.0
@@ -325,7 +339,7 @@ class TickQueue:
         """Other replicas' ticks held long enough to be probed, taken out (others.py)."""
         now = self.monotonic()
         with self._mutex:
-            return self._others.due(now) if self._accepting else []
+            return self._others.due(now, self._behind(now)) if self._accepting else []
 
     def hold_again(self, found: Sequence[tuple[CatalogJob, datetime, float]]) -> None:
         """Untaken ticks not helped with now: held, to be probed again (others.py)."""

@@ -7,7 +7,17 @@ from datetime import UTC, datetime, timedelta
 
 from scheduler.backends.base import Intent
 from scheduler.backends.shares import SHARE_FROM, Shape, share_of
-from scheduler.gate.others import HELD_MAX, HELP_AFTER, HELPERS, PROBE_MAX, Others, help_part
+from scheduler.gate.others import (
+    HELD_MAX,
+    HELP_AFTER,
+    HELPERS,
+    LAG_MAX,
+    PROBE_MAX,
+    PROBES_PER_TICK,
+    Others,
+    help_part,
+    patience,
+)
 from scheduler.gate.runs import Running
 from scheduler.gate.ticks import TickQueue
 from tests.support import FakeMonotonic, make_job
@@ -117,10 +127,65 @@ def test_records_held_are_bounded_and_a_probe_takes_a_bounded_number_of_ticks():
         probes.append(due)
     assert probes[0][0].tick == tick(5)
     assert all(sum(len(r.jobs) for r in due) <= PROBE_MAX for due in probes)
-    assert sum(len(due) for due in probes) == HELD_MAX
+    # The first budget's worth (the last record over it goes while any budget is left).
+    assert sum(len(due) for due in probes) == -(-PROBE_MAX // len(JOBS))
+    assert others.next_due() is None  # no budget left: nothing wakes the dispatcher
+    others.hold(JOBS, tick(HELD_MAX + 5), 1e9)  # a tick fires: budget for twice its size
+    assert sum(len(due) for due in iter(lambda: others.due(1e9), [])) == PROBES_PER_TICK
     big = JOBS * (PROBE_MAX // len(JOBS) + 1)  # one record over the bound still goes
+    others = Others()
     others.hold(big, tick(0), 0.0)
     assert len(others.due(1e9)) == 1
+
+
+def test_a_backlog_of_held_ticks_drains_at_a_rate_the_ticks_fired_set():
+    """However many records wait (the fleet behind), a replica probes at most
+    PROBES_PER_TICK ticks for each one it holds as it fires, beyond a first budget: ticks
+    held again after a probe bring none, so probing never outgrows the ticks coming in."""
+    others = Others()
+    for n in range(HELD_MAX):
+        others.hold(JOBS, tick(n), 0.0)
+    while others.due(1e9):  # the first budget
+        pass
+    probed = 0
+    for n in range(50):  # a tick a second fires; everything probed is found untaken
+        others.hold(JOBS, tick(HELD_MAX + n), float(n))
+        for record in others.due(1e9):
+            probed += len(record.jobs)
+            others.hold_again([(job, record.tick, 0.0) for job in record.jobs], float(n))
+    # As much as the ticks fired allow, within a record (the one that overdraws).
+    assert abs(probed - 50 * PROBES_PER_TICK * len(JOBS)) <= len(JOBS)
+
+
+def test_a_replica_behind_on_its_own_share_waits_longer_before_probing_others():
+    """Its own fresh ticks offered late: other replicas' owners are likely as late, so
+    their ticks are probed that much later (at most LAG_MAX more); the lag is forgotten
+    as time passes without a late tick."""
+    assert patience(0.0) == HELP_AFTER and patience(-1.0) == HELP_AFTER
+    assert patience(1.5) == HELP_AFTER + 1.5 and patience(1e6) == HELP_AFTER + LAG_MAX
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    queue.add(JOBS, tick(0), SHAPE)
+    clock.now += 2.0  # the dispatcher comes to them 2 s after they fired
+    offered(queue)
+    queue.add(JOBS, tick(1), SHAPE)
+    fired = clock.now
+    assert queue.next_due(0, lambda key: Running.NOT) == clock.now + HELP_AFTER  # the tick 0 record
+    clock.now += HELP_AFTER
+    (old,) = queue.unowned()  # held since 2 s ago: due with any patience up to 2 s
+    assert old.tick == tick(0)
+    assert queue.unowned() == []  # tick 1: 2 s of lag, less what passed, not waited yet
+    clock.now = fired + 1.0  # 1 s of lag left: due 1.2 s after it fired
+    assert queue.unowned() == []
+    clock.now = fired + 1.2  # 0.8 s of lag left: due 1.0 s after it fired
+    (record,) = queue.unowned()
+    assert record.tick == tick(1)
+    offered(queue)  # tick 1's own, late
+    queue.add(JOBS, tick(2), SHAPE)
+    offered(queue)  # on time: no lag
+    clock.now += HELP_AFTER
+    (record,) = queue.unowned()
+    assert record.tick == tick(2)
 
 
 def test_each_replica_helps_with_its_part_of_what_owners_left_and_holds_the_rest_again():
