@@ -74,6 +74,12 @@ class Unowned:
     jobs: Sequence[CatalogJob]
     tick: datetime
     since: float  # monotonic: when it was fired here
+    grace: float = 0.0  # seconds: the shortest misfire grace of its jobs
+
+    def due_at(self, lag: float) -> float:
+        """When to probe it: after `patience(lag)`, but never later than half its grace
+        (beyond its grace a tick helped with is only recorded missed)."""
+        return self.since + min(patience(lag), max(HELP_AFTER, self.grace / 2))
 
 
 class Others:
@@ -85,6 +91,7 @@ class Others:
         # (schedule's jobs, live, rank) -> the jobs again (held: its id is never reused
         # while cached), its own, and other replicas'
         self._splits: dict[tuple[int, int, int], _Split] = {}
+        self._graces: dict[int, tuple[Sequence[CatalogJob], float]] = {}  # id(jobs) ->
 
     def split(
         self, jobs: Sequence[CatalogJob], shape: Shape | None
@@ -111,16 +118,25 @@ class Others:
         self._keep(jobs, tick, now)
 
     def _keep(self, jobs: Sequence[CatalogJob], tick: datetime, now: float) -> None:
-        self._held.append(Unowned(jobs, tick, now))
+        self._held.append(Unowned(jobs, tick, now, self._grace(jobs)))
         del self._held[:-HELD_MAX]
+
+    def _grace(self, jobs: Sequence[CatalogJob]) -> float:
+        """The shortest grace of `jobs`, remembered per list (a split's, each time it fires)."""
+        found = self._graces.get(id(jobs))
+        if found is None or found[0] is not jobs:
+            if len(self._graces) >= SPLITS_KEPT:
+                self._graces.clear()
+            grace = min((job.misfire_grace.total_seconds() for job in jobs), default=0.0)
+            found = self._graces[id(jobs)] = (jobs, grace)
+        return found[1]
 
     def due(self, now: float, lag: float = 0.0) -> list[Unowned]:
         """The records to probe now, taken out: oldest first, up to `PROBE_MAX` ticks and
         the budget left (at least one record while any is left; the rest are due later).
         `lag`: how far this replica is behind on its own share (see `patience`)."""
         n = ticks = 0
-        wait = patience(lag)
-        while self._budget > 0 and n < len(self._held) and self._held[n].since + wait <= now:
+        while self._budget > 0 and n < len(self._held) and self._held[n].due_at(lag) <= now:
             size = len(self._held[n].jobs)
             if n and ticks + size > min(PROBE_MAX, self._budget):
                 break
@@ -143,17 +159,19 @@ class Others:
         dispatcher as it comes."""
         if not self._held or self._budget <= 0:
             return None
-        return self._held[0].since + patience(lag)
+        return self._held[0].due_at(lag)
 
     def refresh(self, current: Callable[[int], CatalogJob | None]) -> None:
         """After a reload: the jobs still scheduled here, with their new settings."""
-        held = [Unowned(_scheduled(r.jobs, current), r.tick, r.since) for r in self._held]
-        self._held = [r for r in held if r.jobs]
+        held = [(_scheduled(r.jobs, current), r.tick, r.since) for r in self._held]
+        self._held = [Unowned(*r, grace=self._grace(r[0])) for r in held if r[0]]
         self._splits.clear()
+        self._graces.clear()
 
     def clear(self) -> None:
         self._held.clear()
         self._splits.clear()
+        self._graces.clear()
 
     def __len__(self) -> int:
         return len(self._held)

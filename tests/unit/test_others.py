@@ -3,6 +3,7 @@ and then helped with through the tick queue (scheduler/gate/ticks.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from scheduler.backends.base import Intent
@@ -205,3 +206,28 @@ def test_each_replica_helps_with_its_part_of_what_owners_left_and_holds_the_rest
     clock.now += HELP_AFTER
     (record,) = queue.unowned()
     assert (list(record.jobs), record.tick) == (JOBS[:5], tick(0))
+
+
+def test_however_far_behind_a_replica_probes_a_tick_within_half_its_grace():
+    """Past its grace a tick helped with is only recorded missed: a replica however far
+    behind probes other replicas' ticks by half their shortest grace (a frozen owner's
+    ticks still run), and its lag waits only up to that."""
+    short = [replace(job, misfire_grace=timedelta(seconds=2)) for job in JOBS]
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    queue.add(short, tick(0), SHAPE)
+    clock.now += 4.0  # 4 s behind on its own share
+    offered(queue)
+    queue.add(short, tick(1), SHAPE)
+    fired = clock.now
+    queue.unowned()  # tick 0's record
+    assert queue.next_due(0, lambda key: Running.NOT) == fired + 1.0
+    clock.now = fired + 1.0
+    (record,) = queue.unowned()
+    assert record.tick == tick(1) and record.grace == 2.0
+    queue.add(JOBS, tick(2), SHAPE)  # a grace of 30 s: the lag's whole wait
+    clock.now += 1.0  # 2 s of lag left: due 2.2 s after it fired
+    assert queue.unowned() == []
+    clock.now += 1.0  # 1 s left: due 1.2 s after
+    (record,) = queue.unowned()
+    assert record.tick == tick(2) and record.grace == 30.0
