@@ -75,11 +75,18 @@ class Unowned:
     tick: datetime
     since: float  # monotonic: when it was fired here
     grace: float = 0.0  # seconds: the shortest misfire grace of its jobs
+    held: float | None = None  # when held again after a probe (None: as it fired)
 
     def due_at(self, lag: float) -> float:
         """When to probe it: after `patience(lag)`, but never later than half its grace
         (beyond its grace a tick helped with is only recorded missed)."""
-        return self.since + min(patience(lag), max(HELP_AFTER, self.grace / 2))
+        held = self.since if self.held is None else self.held
+        return held + min(patience(lag), max(HELP_AFTER, self.grace / 2))
+
+    def past_grace(self, now: float) -> bool:
+        """Fired longer ago than its grace: a claim would only record it missed, as the
+        sweep does; probing it costs a fleet behind what it needs for ticks still due."""
+        return self.since + self.grace < now
 
 
 class Others:
@@ -117,8 +124,10 @@ class Others:
         self._budget = min(PROBE_MAX, self._budget + PROBES_PER_TICK * len(jobs))
         self._keep(jobs, tick, now)
 
-    def _keep(self, jobs: Sequence[CatalogJob], tick: datetime, now: float) -> None:
-        self._held.append(Unowned(jobs, tick, now, self._grace(jobs)))
+    def _keep(
+        self, jobs: Sequence[CatalogJob], tick: datetime, since: float, held: float | None = None
+    ) -> None:
+        self._held.append(Unowned(jobs, tick, since, self._grace(jobs), held))
         del self._held[:-HELD_MAX]
 
     def _grace(self, jobs: Sequence[CatalogJob]) -> float:
@@ -135,6 +144,8 @@ class Others:
         """The records to probe now, taken out: oldest first, up to `PROBE_MAX` ticks and
         the budget left (at least one record while any is left; the rest are due later).
         `lag`: how far this replica is behind on its own share (see `patience`)."""
+        while self._held and self._held[0].past_grace(now):
+            del self._held[0]
         n = ticks = 0
         while self._budget > 0 and n < len(self._held) and self._held[n].due_at(lag) <= now:
             size = len(self._held[n].jobs)
@@ -148,11 +159,13 @@ class Others:
 
     def hold_again(self, found: Sequence[tuple[CatalogJob, datetime, float]], now: float) -> None:
         """Untaken ticks this replica did not help with now: probed again later."""
-        by_tick: dict[datetime, list[CatalogJob]] = {}
-        for job, tick, _ in found:
-            by_tick.setdefault(tick, []).append(job)
-        for tick, jobs in sorted(by_tick.items()):
-            self._keep(jobs, tick, now)
+        by_tick: dict[datetime, tuple[list[CatalogJob], float]] = {}
+        for job, tick, since in found:
+            jobs, first = by_tick.setdefault(tick, ([], since))
+            jobs.append(job)
+            by_tick[tick] = jobs, min(first, since)
+        for tick, (jobs, since) in sorted(by_tick.items()):
+            self._keep(jobs, tick, since, held=now)
 
     def next_due(self, lag: float = 0.0) -> float | None:
         """None with no budget left: the next tick held brings some, and wakes the
@@ -163,8 +176,10 @@ class Others:
 
     def refresh(self, current: Callable[[int], CatalogJob | None]) -> None:
         """After a reload: the jobs still scheduled here, with their new settings."""
-        held = [(_scheduled(r.jobs, current), r.tick, r.since) for r in self._held]
-        self._held = [Unowned(*r, grace=self._grace(r[0])) for r in held if r[0]]
+        held = [(_scheduled(r.jobs, current), r) for r in self._held]
+        self._held = [
+            Unowned(jobs, r.tick, r.since, self._grace(jobs), r.held) for jobs, r in held if jobs
+        ]
         self._splits.clear()
         self._graces.clear()
 
