@@ -98,7 +98,8 @@ class Others:
         # (schedule's jobs, live, rank) -> the jobs again (held: its id is never reused
         # while cached), its own, and other replicas'
         self._splits: dict[tuple[int, int, int], _Split] = {}
-        self._graces: dict[int, tuple[Sequence[CatalogJob], float]] = {}  # id(jobs) ->
+        # id(jobs) -> the jobs again (held, as above) and their shortest grace
+        self._graces: dict[int, tuple[Sequence[CatalogJob], float]] = {}
 
     def split(
         self, jobs: Sequence[CatalogJob], shape: Shape | None
