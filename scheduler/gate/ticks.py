@@ -131,9 +131,11 @@ class TickQueue:
         self._others = Others()  # other replicas' shares, held whole until probed (others.py)
         self._bursts = 0
         self._accepting = True
-        # How late this replica's last fresh tick of its own was offered (seconds after
-        # it fired here), and when: how far behind it runs (others.patience).
+        # How late this replica's last fresh ticks of its own were offered (seconds after
+        # they fired here), and when: how far behind it runs (others.patience). `_fired`:
+        # when the first own ticks not offered since fired.
         self._lag, self._lag_at = 0.0, 0.0
+        self._fired: float | None = None
 
     def add(self, jobs: Sequence[CatalogJob], tick: datetime, shape: Shape | None = None) -> bool:
         """Queue the same tick of several jobs; True if the dispatcher should wake now.
@@ -148,6 +150,8 @@ class TickQueue:
             jobs, theirs = self._others.split(jobs, shape)
             if theirs:
                 self._others.hold(theirs, tick, now)
+            if jobs and self._fired is None:
+                self._fired = now
             for job in jobs:
                 entry = self._pending.get(job.key)
                 if entry is None and (left := self._backlog.remove(job.key)) is not None:
@@ -231,7 +235,7 @@ class TickQueue:
         """
         now = self.monotonic()
         healthy, failed = Batch(), []
-        lag: float | None = None
+        own = False
         with self._mutex:
             if self._bursts or not self._accepting:
                 return []
@@ -250,8 +254,7 @@ class TickQueue:
                 if state is Running.NOT:
                     if capacity <= 0:
                         continue  # waits for a free worker; another replica may take it
-                    if entry.not_before == 0.0 and entry.behind is None and not entry.others:
-                        lag = max(lag or 0.0, now - entry.since)  # fresh: as it fired
+                    own = own or not entry.others
                     # Every one goes, however few workers are free: most of a burst is
                     # other replicas' share, and the claim wins at most `capacity` runs.
                     rest = entry.split_behind()
@@ -275,8 +278,9 @@ class TickQueue:
                 batch.entries.append(entry)
                 if entry.failures:
                     failed.append(batch)
-            if lag is not None:
-                self._lag, self._lag_at = lag, now
+            if own and self._fired is not None:  # the newest own ticks' delay, not a
+                # deferred tick's wait (which a busy replica's backlog always has)
+                self._lag, self._lag_at, self._fired = now - self._fired, now, None
         return ([healthy] if healthy.requests else []) + failed
 
     def _behind(self, now: float) -> float:

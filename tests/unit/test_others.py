@@ -247,3 +247,22 @@ def test_ticks_held_past_their_grace_are_let_go_unprobed():
     assert others.due(45.1) == []  # held again: waits from its probe
     assert others.due(50.5) == []  # fired 30.5 s ago: let go
     assert len(others) == 0
+
+
+def test_a_replica_on_time_with_ticks_deferred_is_not_taken_for_behind():
+    """A busy replica always has ticks of its own deferred for lack of workers; when the
+    job's next tick comes they go together. The lag is how late the newest ticks were
+    offered, not how long a deferred one waited: a replica on time probes on time."""
+    clock = FakeMonotonic()
+    queue = TickQueue(clock)
+    queue.add(JOBS, tick(0), SHAPE)
+    (batch,) = queue.take(1, lambda key: Running.NOT)
+    queue.leave([(entry, tick(0)) for entry in batch.entries])  # deferred: no free worker
+    clock.now += 1.0
+    queue.unowned()  # tick 0's record
+    queue.add(JOBS, tick(1), SHAPE)  # each own job's deferred tick joins its new one
+    offered_now = {r.tick for b in queue.take(100, lambda key: Running.NOT) for r in b.requests}
+    assert offered_now == {tick(0)}  # the oldest first; the new one waits behind its run
+    clock.now += HELP_AFTER
+    (record,) = queue.unowned()
+    assert record.tick == tick(1)
