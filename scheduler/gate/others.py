@@ -126,19 +126,24 @@ class Others:
         self._keep(jobs, tick, now)
 
     def _keep(
-        self, jobs: Sequence[CatalogJob], tick: datetime, since: float, held: float | None = None
+        self,
+        jobs: Sequence[CatalogJob],
+        tick: datetime,
+        since: float,
+        held: float | None = None,
+        grace: float | None = None,
     ) -> None:
-        self._held.append(Unowned(jobs, tick, since, self._grace(jobs), held))
+        grace = self._grace(jobs) if grace is None else grace
+        self._held.append(Unowned(jobs, tick, since, grace, held))
         del self._held[:-HELD_MAX]
 
     def _grace(self, jobs: Sequence[CatalogJob]) -> float:
-        """The shortest grace of `jobs`, remembered per list (a split's, each time it fires)."""
+        """The shortest grace of a split's list, remembered (it fires every tick)."""
         found = self._graces.get(id(jobs))
         if found is None or found[0] is not jobs:
             if len(self._graces) >= SPLITS_KEPT:
                 self._graces.clear()
-            grace = min((job.misfire_grace.total_seconds() for job in jobs), default=0.0)
-            found = self._graces[id(jobs)] = (jobs, grace)
+            found = self._graces[id(jobs)] = (jobs, shortest_grace(jobs))
         return found[1]
 
     def due(self, now: float, lag: float = 0.0) -> list[Unowned]:
@@ -165,8 +170,8 @@ class Others:
             jobs, first = by_tick.setdefault(tick, ([], since))
             jobs.append(job)
             by_tick[tick] = jobs, min(first, since)
-        for tick, (jobs, since) in sorted(by_tick.items()):
-            self._keep(jobs, tick, since, held=now)
+        for tick, (jobs, since) in sorted(by_tick.items()):  # lists of their own: not kept
+            self._keep(jobs, tick, since, held=now, grace=shortest_grace(jobs))
 
     def next_due(self, lag: float = 0.0) -> float | None:
         """None with no budget left: the next tick held brings some, and wakes the
@@ -179,7 +184,7 @@ class Others:
         """After a reload: the jobs still scheduled here, with their new settings."""
         held = [(_scheduled(r.jobs, current), r) for r in self._held]
         self._held = [
-            Unowned(jobs, r.tick, r.since, self._grace(jobs), r.held) for jobs, r in held if jobs
+            Unowned(jobs, r.tick, r.since, shortest_grace(jobs), r.held) for jobs, r in held if jobs
         ]
         self._splits.clear()
         self._graces.clear()
@@ -198,6 +203,11 @@ def _scheduled(
 ) -> list[CatalogJob]:
     found = (current(job.key) for job in jobs)
     return [job for job in found if job is not None and job.scheduled]
+
+
+def shortest_grace(jobs: Sequence[CatalogJob]) -> float:
+    """Seconds: the shortest misfire grace of `jobs` (0 for none)."""
+    return min((job.misfire_grace.total_seconds() for job in jobs), default=0.0)
 
 
 def patience(lag: float) -> float:
