@@ -35,7 +35,9 @@ class Outcome(StrEnum):
     SKIPPED = "skipped"  # this replica recorded the tick as skipped
     LOST = "lost"  # another replica owns the tick
     DEFERRED = "deferred"  # no free worker for it in this batch: try when one frees
-    YIELDED = "yielded"  # another live replica's share of the burst: try again shortly
+    # another live replica's share of the burst, or a tick another claim is recording
+    # now (PostgreSQL: a claim never waits for another): try again shortly
+    YIELDED = "yielded"
     MISSED = "missed"  # this replica recorded the tick as missed
     HELD = "held"  # manual trigger only: the lock is held elsewhere
     ERROR = "error"  # the claim itself failed (a statement cut short): nothing was decided
@@ -85,7 +87,8 @@ class ClaimAnswer(NamedTuple):
     `answered`: a ClaimResult for each tick this replica recorded (run, skipped,
     missed, paused) or could not lock (held). The rest, by outcome, as ticks alone:
     `lost` (another replica owns it), `yielded` (another live replica's share of a
-    burst: PostgreSQL only, as the embedded backend's claims take turns anyway) and
+    burst, or a tick another claim is recording at that moment: PostgreSQL only, as the
+    embedded backend's claims take turns anyway) and
     `deferred` (no free worker for it in this batch).
     """
 

@@ -1,0 +1,5 @@
+-- Functions only: scheduler_insert_ticks tries a scheduled tick's transaction lock
+-- (scheduler_tick_lock) before it inserts the tick's row, and leaves a tick another claim
+-- is recording `yielded` instead of waiting for that claim's transaction to end; and
+-- scheduler_crash_stale looks stale runs up by their keys, not by a join that read the
+-- whole index of running rows.

@@ -1,0 +1,2 @@
+-- Nothing changes here: the embedded backend's claims take turns at SQLite's one writer,
+-- and never meet another claim's row uncommitted (0018 on PostgreSQL).
