@@ -218,9 +218,10 @@ $$;
 -- that transaction to end, and in a fleet short of CPU an owner and a helper claiming
 -- the same tick made whole batches wait on each other's (40 replicas of 1,000 jobs on
 -- 2 cores: 2.5 claims waiting on average, each 57 ms). A scheduled tick's lock
--- (scheduler_tick_lock) is tried first; held, another claim is recording the tick now,
--- and this one leaves it `yielded`, to be tried again shortly: `lost` once that claim
--- commits, its own if it rolled back.
+-- (scheduler_tick_lock) is tried first, whether the tick is to run or to be recorded
+-- skipped; held, another claim is recording the tick now, and this one leaves it
+-- `yielded`, to be tried again shortly: `lost` once that claim commits, its own if it
+-- rolled back.
 CREATE FUNCTION scheduler_insert_ticks(
     p_namespace integer, p_instance text, p_ticks scheduler_tick[]
 ) RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
@@ -230,7 +231,9 @@ BEGIN
     WITH c AS (  -- referenced twice, so evaluated once: each lock is tried once
         SELECT c.*,
                CASE WHEN c.fate NOT IN ('running', 'skipped', 'missed', 'paused') THEN false
-                    WHEN c.intent <> 'run' THEN true
+                    -- a manual run or a caught-up tick holds its job's lock already
+                    -- (step 2): it waits as before, and gives the lock back if lost
+                    WHEN c.intent NOT IN ('run', 'skip') THEN true
                     ELSE pg_try_advisory_xact_lock(
                         scheduler_tick_lock(p_namespace, c.key, c.tick)) END AS free
           FROM unnest(p_ticks) c

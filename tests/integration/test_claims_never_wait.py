@@ -27,9 +27,9 @@ KEY = 7
 WAIT = 20.0  # seconds: far longer than an answer takes, far shorter than never
 
 
-def request(at: datetime, key: int = KEY) -> ClaimRequest:
+def request(at: datetime, key: int = KEY, intent: Intent = Intent.RUN) -> ClaimRequest:
     return ClaimRequest(
-        key=key, name=f"job{key}", scheduled_at=at, intent=Intent.RUN, grace_s=60, skip_threshold=3
+        key=key, name=f"job{key}", scheduled_at=at, intent=intent, grace_s=60, skip_threshold=3
     )
 
 
@@ -94,6 +94,22 @@ def test_a_tick_another_claim_is_recording_is_yielded_then_lost_once_it_commits(
         assert outcomes(answer) == {KEY: Outcome.YIELDED, KEY + 1: Outcome.RUN}
         first.commit()
         assert outcomes(claim_within(replica, [request(at)])) == {KEY: Outcome.LOST}
+    finally:
+        first.close()
+
+
+def test_a_tick_to_record_skipped_waits_no_more_than_one_to_run(
+    database_url: str, replica: PostgresBackend
+) -> None:
+    """A replica whose run of the job goes on claims the job's next tick to record it
+    skipped; another replica recording that tick at the same moment makes it yield too."""
+    at = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=2)
+    first = open_claim(database_url, at, [KEY])
+    try:
+        skip = request(at, intent=Intent.SKIP)
+        assert outcomes(claim_within(replica, [skip])) == {KEY: Outcome.YIELDED}
+        first.commit()
+        assert outcomes(claim_within(replica, [skip])) == {KEY: Outcome.LOST}
     finally:
         first.close()
 

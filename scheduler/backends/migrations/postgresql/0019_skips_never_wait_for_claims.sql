@@ -1,0 +1,3 @@
+-- Functions only: scheduler_insert_ticks tries a scheduled tick's transaction lock for a
+-- tick to be recorded skipped too (intent `skip`), not only for one to run, so that it
+-- never waits for another claim recording the same tick either.

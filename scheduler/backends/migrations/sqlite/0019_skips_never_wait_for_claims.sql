@@ -1,0 +1,2 @@
+-- Nothing changes here: the embedded backend's claims take turns at SQLite's one writer
+-- (0019 on PostgreSQL).
