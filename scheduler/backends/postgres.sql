@@ -221,9 +221,14 @@ $$;
 -- (scheduler_tick_lock) is tried first, whether the tick is to run or to be recorded
 -- skipped; held, another claim is recording the tick now, and this one leaves it
 -- `yielded`, to be tried again shortly: `lost` once that claim commits, its own if it
--- rolled back.
+-- rolled back. Each lock takes an entry of the server's shared lock table until the
+-- claim commits (max_locks_per_transaction x max_connections entries in all, 64 per
+-- session by default; a full table fails every lock in the database), so a claim tries
+-- at most p_tick_locks of them (scheduler_decide: 32, half a session's default share):
+-- runs and skips, about as many as this replica's free workers and its jobs running,
+-- never a burst's ticks recorded missed or paused. The rest insert as before.
 CREATE FUNCTION scheduler_insert_ticks(
-    p_namespace integer, p_instance text, p_ticks scheduler_tick[]
+    p_namespace integer, p_instance text, p_ticks scheduler_tick[], p_tick_locks integer
 ) RETURNS SETOF scheduler_tick LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
@@ -234,9 +239,13 @@ BEGIN
                     -- a manual run or a caught-up tick holds its job's lock already
                     -- (step 2): it waits as before, and gives the lock back if lost
                     WHEN c.intent NOT IN ('run', 'skip') THEN true
+                    WHEN c.fate NOT IN ('running', 'skipped') THEN true
+                    WHEN c.contested > p_tick_locks THEN true
                     ELSE pg_try_advisory_xact_lock(
                         scheduler_tick_lock(p_namespace, c.key, c.tick)) END AS free
-          FROM unnest(p_ticks) c
+          FROM (SELECT c.*, count(*) FILTER (WHERE c.fate IN ('running', 'skipped'))
+                                OVER (ORDER BY c.tick, c.key) AS contested
+                  FROM unnest(p_ticks) c) c
     ), inserted AS (
         INSERT INTO scheduler_ticks AS r
                (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual,
@@ -683,7 +692,8 @@ BEGIN
     v_ticks := ARRAY(SELECT c FROM unnest(v_ticks) c
                       WHERE c.fate NOT IN ('lost', 'yielded', 'deferred'));
     v_ticks := ARRAY(SELECT c FROM scheduler_lock_manual(p_namespace, v_ticks) c);
-    v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(p_namespace, p_instance, v_ticks) c);
+    v_ticks := ARRAY(SELECT c FROM scheduler_insert_ticks(  -- 32 tick locks at most
+        p_namespace, p_instance, v_ticks, 32) c);
     v_ticks := ARRAY(SELECT c FROM scheduler_take_locks(p_namespace, v_ticks) c);
     v_ticks := ARRAY(SELECT c FROM scheduler_recheck_pauses(p_namespace, v_ticks) c);
     IF EXISTS (SELECT 1 FROM unnest(v_ticks) c WHERE c.fate = 'skipped') THEN

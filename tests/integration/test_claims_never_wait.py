@@ -43,21 +43,27 @@ def replica(database_url: str) -> Iterator[PostgresBackend]:
 
 
 def open_claim(
-    url: str, at: datetime, keys: list[int], expect: list[str] | None = None
+    url: str,
+    at: datetime,
+    keys: list[int],
+    expect: list[str] | None = None,
+    capacity: int = 10,
+    grace: float = 60.0,
 ) -> psycopg.Connection:
     """Another replica's claim of these ticks, left uncommitted."""
     conn = psycopg.connect(url, application_name="first")
     row = conn.execute(
-        "SELECT outcomes FROM scheduler_decide(%s, 'first', 10, 0.2, 1000, 'crashed',"
+        "SELECT outcomes FROM scheduler_decide(%s, 'first', %s, 0.2, 100000, 'crashed',"
         " %s::integer[], %s::text[], %s::timestamptz[], %s::text[], %s::float8[],"
         " %s::integer[], %s::integer[])",
         (
             NAMESPACE,
+            capacity,
             keys,
             [f"job{k}" for k in keys],
             [at] * len(keys),
             ["run"] * len(keys),
-            [60.0] * len(keys),
+            [grace] * len(keys),
             [3] * len(keys),
             [3] * len(keys),
         ),
@@ -218,3 +224,42 @@ def test_a_claim_reads_the_ledger_rows_of_its_own_ticks_only(
         ).fetchone()
     assert status == ("crashed",)  # the stale run was found
     assert after - before < 100, f"the claim read {after - before} rows and entries"
+
+
+def tick_locks(conn: psycopg.Connection) -> int:
+    """The one-key advisory locks (ticks' locks) this session holds now."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+        " AND pid = pg_backend_pid()"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize(
+    ("capacity", "grace", "recorded", "locks"),
+    [
+        (300, 60.0, ["run"] * 300, 32),  # runs: the first 32 tried
+        (300, 0.5, ["missed"] * 300, 0),  # a burst recorded missed: none
+        (5, 60.0, ["run"] * 5, 5),  # the deferred ones insert nothing
+    ],
+)
+def test_a_claim_takes_a_bounded_number_of_tick_locks(
+    database_url: str,
+    replica: PostgresBackend,
+    capacity: int,
+    grace: float,
+    recorded: list[str],
+    locks: int,
+) -> None:
+    """Each tick's lock holds an entry of the server's shared lock table until the claim
+    commits, and a full table fails every lock in the database: a claim tries the locks
+    of its runs and skips only, 32 at most, never of a burst's ticks recorded missed."""
+    at = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=2)
+    keys = list(range(1000, 1300))
+    first = open_claim(database_url, at, keys, recorded, capacity=capacity, grace=grace)
+    try:
+        assert tick_locks(first) == locks
+    finally:
+        first.rollback()
+        first.close()

@@ -1,0 +1,3 @@
+-- Functions only: scheduler_insert_ticks tries the ticks' transaction locks of runs and
+-- skips only, at most 32 per claim (each holds an entry of the server's shared lock
+-- table until the claim commits), never of a burst's ticks recorded missed or paused.
