@@ -224,6 +224,12 @@ def server_cpu() -> float:
     return total
 
 
+def machine_jiffies() -> tuple[int, int]:
+    """(all, idle) jiffies of every CPU of this machine so far (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(values), values[3] + values[4]  # idle and iowait
+
+
 class BusyByPhase:
     """How busy this machine's CPUs are, by phase of the wall-clock second (`bins` of it),
     sampled from /proc/stat every few milliseconds between `start` and `stop`: where
@@ -246,15 +252,10 @@ class BusyByPhase:
         pairs = zip(self.total, self.idle, strict=True)
         return [round(1 - idle / total, 2) if total else 0.0 for total, idle in pairs]
 
-    @staticmethod
-    def _read() -> tuple[int, int]:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(values), values[3] + values[4]  # idle and iowait
-
     def _sample(self) -> None:
-        before, (total, idle) = time.time(), self._read()
+        before, (total, idle) = time.time(), machine_jiffies()
         while not self._stop.wait(self.every):
-            now, (total2, idle2) = time.time(), self._read()
+            now, (total2, idle2) = time.time(), machine_jiffies()
             phase = int(((before + now) / 2 % 1) * self.bins)
             self.total[phase] += total2 - total
             self.idle[phase] += idle2 - idle

@@ -43,19 +43,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 from edges import commit_of, replace_section, sides
-from fleet import BENCH, Fleet, Server, now_iso, process_cpu, verify, whole_ticks
-from scale import NotUp, ledger_statuses, log, start_cluster, wait_up
+from fleet import (
+    BENCH,
+    Fleet,
+    Server,
+    machine_jiffies,
+    now_iso,
+    process_cpu,
+    verify,
+    whole_ticks,
+)
+from scale import NotUp, ledger_statuses, log, start_cluster, start_in_tens, wait_up
 
 SECTION = "## Where the limit lies"
 SETTLE = 10.0  # s after all are up: past the first chores and the catch-up passes
 UP_WITHIN = 900.0
 ENTRY_POINTS = ("scheduler_decide", "scheduler_finish", "scheduler_taken")
-
-
-def machine_ticks() -> tuple[float, float]:
-    """(all, idle) jiffies of the machine so far."""
-    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields), fields[3] + fields[4]
 
 
 def server_cpu(postmaster: int) -> float:
@@ -130,10 +133,7 @@ def measure(
     names = [f"s{i}" for i in range(replicas)]
     try:
         began = time.time()
-        for i, name in enumerate(names):
-            fleet.start(name)
-            if i % 10 == 9:  # in tens, as bench/scale.py starts its fleets
-                time.sleep(1.0)
+        start_in_tens(fleet, names)  # as bench/scale.py starts its fleets
         try:
             wait_up(fleet, names, began + UP_WITHIN)
         except NotUp as short:
@@ -144,12 +144,12 @@ def measure(
             conn.execute("SELECT pg_stat_statements_reset()")
         start = time.time()
         replicas_cpu = {r.process.pid: process_cpu(r.process.pid) for r in fleet.replicas}
-        server_before, machine_before = server_cpu(postmaster), machine_ticks()
+        server_before, machine_before = server_cpu(postmaster), machine_jiffies()
         with Waits(url) as waits:
             time.sleep(window)
         end = time.time()
         elapsed = end - start
-        machine_after = machine_ticks()
+        machine_after = machine_jiffies()
         used = sum(process_cpu(pid) - cpu for pid, cpu in replicas_cpu.items())
         server_used = server_cpu(postmaster) - server_before
         spent = calls(url)

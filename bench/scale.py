@@ -83,6 +83,14 @@ class NotUp(Exception):
         self.up = up
 
 
+def start_in_tens(fleet: Fleet, names: list[str]) -> None:
+    """The replicas started ten a second: the first imports share 2 cores."""
+    for i, name in enumerate(names):
+        fleet.start(name)
+        if i % 10 == 9:
+            time.sleep(1.0)
+
+
 def wait_up(fleet: Fleet, names: list[str], deadline: float) -> None:
     """These replicas' lock sessions are up; NotUp (how many are) past the deadline."""
     waiting = set(names)
@@ -135,10 +143,7 @@ def run(
     killed = 0
     try:
         began = time.time()
-        for i, name in enumerate(names):
-            fleet.start(name)
-            if i % 10 == 9:  # in tens: the first imports share 2 cores
-                time.sleep(1.0)
+        start_in_tens(fleet, names)
         try:
             wait_up(fleet, names, began + up_within)
         except NotUp as short:
