@@ -233,19 +233,22 @@ CREATE FUNCTION scheduler_insert_ticks(
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
-    WITH c AS (  -- referenced twice, so evaluated once: each lock is tried once
+    WITH contested AS (
+        -- A scheduled tick to run or to record skipped: the ticks another claim may be
+        -- recording now. A manual run or a caught-up tick holds its job's lock already
+        -- (step 2): it waits as before, and gives the lock back if lost.
+        SELECT c.*,
+               c.intent IN ('run', 'skip') AND c.fate IN ('running', 'skipped') AS contested
+          FROM unnest(p_ticks) c
+    ), c AS (  -- referenced twice, so evaluated once: each lock is tried once
         SELECT c.*,
                CASE WHEN c.fate NOT IN ('running', 'skipped', 'missed', 'paused') THEN false
-                    -- a manual run or a caught-up tick holds its job's lock already
-                    -- (step 2): it waits as before, and gives the lock back if lost
-                    WHEN c.intent NOT IN ('run', 'skip') THEN true
-                    WHEN c.fate NOT IN ('running', 'skipped') THEN true
-                    WHEN c.contested > p_tick_locks THEN true
+                    WHEN NOT c.contested OR c.nth > p_tick_locks THEN true
                     ELSE pg_try_advisory_xact_lock(
                         scheduler_tick_lock(p_namespace, c.key, c.tick)) END AS free
-          FROM (SELECT c.*, count(*) FILTER (WHERE c.fate IN ('running', 'skipped'))
-                                OVER (ORDER BY c.tick, c.key) AS contested
-                  FROM unnest(p_ticks) c) c
+          FROM (SELECT c.*, count(*) FILTER (WHERE c.contested) OVER (ORDER BY c.tick, c.key)
+                            AS nth
+                  FROM contested c) c
     ), inserted AS (
         INSERT INTO scheduler_ticks AS r
                (job_key, scheduled_at, job_name, status, instance, run_id, started_at, manual,

@@ -1,0 +1,2 @@
+-- Functions only: scheduler_insert_ticks counts toward its 32 ticks' locks only the ticks
+-- that try one (runs and skips of scheduled ticks), not manual runs or caught-up ticks.

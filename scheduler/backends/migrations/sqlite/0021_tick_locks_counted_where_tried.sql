@@ -1,0 +1,1 @@
+-- Nothing changes here: the embedded backend takes no ticks' locks (0021 on PostgreSQL).
